@@ -1,0 +1,1 @@
+"""Trajectories, the experience store and training tensors."""

@@ -1,0 +1,1 @@
+"""agentevo.train"""
