@@ -1,0 +1,50 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+PIN := $(VENV)/torch-pin.txt
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: demo test test-slow lint bench install install-test check-java clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# torch is pinned to the CPU build (a bare `torch` requirement can pull a multi-GB CUDA build)
+$(VENV)/.installed-base: pyproject.toml | $(PY)
+	echo "torch==$(TORCH_VERSION)" > $(PIN)
+	$(PIP) install -q -c $(PIN) "torch==$(TORCH_VERSION)"
+	$(PIP) install -q -c $(PIN) -e ".[twx]"
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed-base
+	$(PIP) install -q -c $(PIN) -e ".[twx,scienceworld,alfworld,dev]"
+	touch $@
+
+check-java:
+	@command -v java >/dev/null 2>&1 || { echo "error: Java 17+ is needed by TextWorldExpress/ScienceWorld; install it with 'apt-get install -y default-jre-headless'" >&2; exit 1; }
+
+install: $(VENV)/.installed-base
+install-test: $(VENV)/.installed-test
+
+## The main job on the embedded default: BC of a tiny model on TextWorldExpress, untrained vs BC table.
+demo: check-java install
+	OMP_NUM_THREADS=1 $(VENV)/bin/agentevo train --config configs/demo_twx_bc.yaml --name demo-$$(date +%Y%m%d-%H%M%S)
+
+## The default test suite (fast; slow tests are behind the `slow` marker).
+test: check-java install-test
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q
+
+test-slow: check-java install-test
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -m slow
+
+lint: install-test
+	$(VENV)/bin/ruff check agentevo tests bench
+
+bench: install-test
+	OMP_NUM_THREADS=1 $(PY) bench/bench_rollout.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

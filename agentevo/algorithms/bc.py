@@ -1,0 +1,107 @@
+"""BC / SFT: negative log-likelihood of the expert's reply tokens (methods-spec §2.3 step 0, §5 'SFT / BC').
+
+    L_BC(theta) = -(1/N_tok) sum_{tau in D_expert} sum_t sum_j log pi_theta(a_t^j | s_t, a_t^{<j})
+
+The recipe: 1. collect expert demos on the training tasks; 2. build the initial policy (the tiny model with a
+tokenizer trained on the demos' text, or a local model); 3. evaluate it; 4. train by BC; 5. evaluate again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from agentevo.algorithms import losses
+from agentevo.data.tensors import StepSample, reply_logprobs, trajectory_samples
+from agentevo.data.types import Trajectory
+from agentevo.models.backend import TransformersPolicy
+from agentevo.models.policy import initial_policy, tokenizer_corpus, with_lora
+from agentevo.rollout.engine import EpisodeRequest, ExpertActor
+from agentevo.train.loop import train
+
+
+def nll_loss(model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+    """Token-mean NLL over reply tokens."""
+    logp, mask = reply_logprobs(model, batch)
+    return losses.nll_loss(logp, mask, "token-mean"), {"tokens": float(mask.sum())}
+
+
+def collect_expert(run: Any, n: int | None) -> list[Trajectory]:
+    """Expert demos (the environment's gold sequences as ReAct replies) on the first n training tasks."""
+    tasks = run.tasks("train", n)
+    # Replies are stored as text: the tiny model's tokenizer is trained on this very text, so token ids are
+    # filled in by the training policy's tokenizer (expert_samples). Expert text is not policy output.
+    return run.collect(
+        ExpertActor(_TextOnlyRenderer(), run.cfg.agent.thoughts),
+        [EpisodeRequest(t, k) for k, t in enumerate(tasks)],
+        "expert",
+        "expert demos",
+    )
+
+
+class _TextOnlyRenderer:
+    """Expert replies are stored as text first; token ids come from the policy's tokenizer at training time."""
+
+    def encode_reply(self, text: str) -> list[int]:
+        return []
+
+
+def expert_samples(policy: TransformersPolicy, trajs: list[Trajectory], window: int, max_length: int) -> list[StepSample]:
+    """Training samples from expert trajectories, their replies tokenized by this policy's tokenizer."""
+    samples: list[StepSample] = []
+    for k, traj in enumerate(trajs):
+        for step in traj.steps:
+            if not step.action_ids:
+                step.action_ids = policy.renderer.encode_reply(step.action_text)
+        samples.extend(trajectory_samples(policy.renderer, traj, k, window, max_length))
+    return samples
+
+
+def train_bc(run: Any, policy: TransformersPolicy, trajs: list[Trajectory], name: str) -> dict[str, float]:
+    """BC on the given trajectories; saves checkpoints/<name> and returns the final training stats."""
+    cfg = run.cfg
+    samples = expert_samples(policy, trajs, cfg.agent.history_window, cfg.optim.max_length)
+    model = with_lora(policy, cfg)
+    with run.progress(f"{name} training") as bar:
+        stats = train(model, samples, nll_loss, cfg.optim, policy.pad_id, run.checkpoint_dir(f"{name}-work"),
+                      cfg.seed, run.logger, f"{name}/train", policy.tokenizer, bar.training_callback())
+    if cfg.model.lora.enabled:
+        policy.model = policy.model.merge_and_unload()
+    policy.policy_id = name
+    policy.save(run.checkpoint_dir(name))
+    return {**stats, "samples": len(samples)}
+
+
+def run(run: Any) -> dict[str, Any]:
+    """The BC recipe end to end; returns the evaluation table."""
+    cfg = run.cfg
+    n_expert = cfg.bc.n_expert or cfg.env.n_train
+    demos = run.phase("expert", lambda: _expert_stats(collect_expert(run, n_expert)))
+    trajs = run.store.load(collection="expert")
+
+    def build_init() -> dict[str, Any]:
+        policy = initial_policy(cfg, tokenizer_corpus(run.signal_env.instruction(), trajs))
+        policy.save(run.checkpoint_dir("init"))
+        return {"parameters": sum(p.numel() for p in policy.model.parameters()), "vocab": len(policy.tokenizer)}
+
+    init_info = run.phase("init", build_init)
+    results: dict[str, Any] = {"expert": demos, "init": init_info}
+    results["eval/init"] = run.phase("eval/init", lambda: run.evaluate(run.load_policy("init"), "init"))
+
+    def do_bc() -> dict[str, Any]:
+        policy = run.load_policy("init")
+        return train_bc(run, policy, trajs, "bc")
+
+    results["bc"] = run.phase("bc", do_bc)
+    results["eval/bc"] = run.phase("eval/bc", lambda: run.evaluate(run.load_policy("bc"), "bc"))
+    return results
+
+
+def _expert_stats(trajs: list[Trajectory]) -> dict[str, Any]:
+    n = max(1, len(trajs))
+    return {
+        "n": len(trajs),
+        "success_rate": sum(t.success for t in trajs) / n,
+        "mean_steps": sum(t.length for t in trajs) / n,
+    }

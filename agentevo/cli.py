@@ -1,0 +1,199 @@
+"""The `agentevo` command: train, eval, report, resume, envs."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from agentevo.errors import AgentevoError
+
+
+def _summary_table(run: Any, results: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{run.cfg.method} on {run.cfg.env.name} — {run.dir}")
+    for col in ("policy", "split", "tasks", "success", "avg reward", "steps", "format err", "invalid", "task hash"):
+        table.add_column(col)
+    for key, per_split in results.items():
+        if not key.startswith("eval/") or not isinstance(per_split, dict):
+            continue
+        for split, m in per_split.items():
+            if not isinstance(m, dict) or "success_rate" not in m:
+                continue
+            table.add_row(
+                key[len("eval/") :], split, str(m["n"]), f"{100 * m['success_rate']:.1f}%",
+                f"{m['avg_reward']:.3f}", f"{m['mean_steps']:.1f}", f"{100 * m['format_error_rate']:.1f}%",
+                f"{100 * m['invalid_rate']:.1f}%", m.get("task_hash", ""),
+            )
+    Console().print(table)
+
+
+def _run_recipe(run: Any) -> int:
+    from agentevo.eval.report import write_report
+    from agentevo.recipes import get_recipe
+
+    try:
+        results = get_recipe(run.cfg.method)(run)
+        report = write_report(run)
+    finally:
+        run.close()
+    _summary_table(run, results)
+    print(f"report: {report}")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from agentevo.config import load_config
+    from agentevo.run import Run
+
+    cfg = load_config(args.config, args.set, method=args.method, name=args.name, output_dir=args.output_dir)
+    return _run_recipe(Run.create(cfg, quiet=args.quiet))
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    from agentevo.run import Run
+
+    return _run_recipe(Run.open(args.run_dir, quiet=args.quiet))
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from agentevo.config import load_config
+    from agentevo.run import Run
+
+    overrides = list(args.set)
+    if args.env:
+        overrides.append(f"env.name={args.env}")
+    if args.n is not None:
+        overrides.append(f"eval.n_tasks={args.n}")
+    if args.split:
+        overrides.append(f"eval.splits=[{args.split}]")
+    cfg = load_config(args.config, overrides, name=args.name, output_dir=args.output_dir)
+    if not Path(args.model).exists():
+        raise AgentevoError(f"model path {args.model!r} does not exist; give a checkpoint folder such as runs/NAME/checkpoints/bc")
+    cfg.method = "eval"
+    run = Run.create(cfg, quiet=args.quiet)
+    try:
+        results = {"eval/" + Path(args.model).name: run.evaluate(run.load_policy(args.model), Path(args.model).name)}
+    finally:
+        run.close()
+    _summary_table(run, results)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from agentevo.eval.report import write_report
+    from agentevo.run import Run
+
+    run = Run.open(args.run_dir, quiet=True)
+    try:
+        path = write_report(run)
+    finally:
+        run.close()
+    print(path)
+    return 0
+
+
+def cmd_envs(args: argparse.Namespace) -> int:
+    from agentevo.envs import ENVIRONMENTS, make_env
+
+    if args.action == "list":
+        for name, (_, _, text) in sorted(ENVIRONMENTS.items()):
+            print(f"{name:18s} {text}")
+        return 0
+    if not args.name:
+        raise AgentevoError(f"`agentevo envs {args.action}` needs an environment name; see `agentevo envs list`")
+    env = make_env(args.name)
+    try:
+        if args.action == "show":
+            print(env.instruction())
+            for split in ("train", "dev", "test"):
+                tl = env.tasks(split)
+                print(f"{split:5s} {len(tl):6d} tasks  hash {tl.hash}  first: {tl[0].task_id if len(tl) else '-'}")
+            return 0
+        task = env.tasks(args.split)[args.task]
+        obs, info = env.reset(task)
+        print(f"[{task.task_id}] (type 'quit' to stop, 'expert' to see the gold sequence)\n{obs}")
+        for _ in range(task.max_steps):
+            action = input("> ").strip()
+            if action == "quit":
+                break
+            if action == "expert":
+                print(env.expert(task))
+                obs, info = env.reset(task)
+                print(obs)
+                continue
+            obs, reward, done, info = env.step(action)
+            print(f"{obs}\n  reward={reward:.3f} score={info.get('score', 0):.3f} done={done}")
+            if done:
+                print("success" if info.get("success") else "episode over")
+                break
+        return 0
+    finally:
+        env.close()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the `agentevo` command."""
+    parser = argparse.ArgumentParser(prog="agentevo", description="Self-evolving LLM agents")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--config", "-c", help="YAML config file (see configs/)")
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="dotted override, e.g. --set optim.lr=3e-4 (repeatable)")
+        p.add_argument("--name", help="run name (folder under --output-dir)")
+        p.add_argument("--output-dir", help="where run folders go (default runs/)")
+        p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    p = sub.add_parser("train", help="run a recipe end to end")
+    p.add_argument("method", nargs="?", help="recipe name (default: from config, else bc)")
+    common(p)
+    p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("eval", help="evaluate a checkpoint on fixed splits (greedy)")
+    p.add_argument("--model", required=True, help="checkpoint folder")
+    p.add_argument("--env", help="environment name")
+    p.add_argument("--split", help="split to evaluate (train/dev/test)")
+    p.add_argument("--n", type=int, help="number of tasks")
+    common(p)
+    p.set_defaults(fn=cmd_eval)
+
+    p = sub.add_parser("resume", help="continue an interrupted run")
+    p.add_argument("run_dir")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(fn=cmd_resume)
+
+    p = sub.add_parser("report", help="(re)write runs/NAME/report.md and its plots")
+    p.add_argument("run_dir")
+    p.set_defaults(fn=cmd_report)
+
+    p = sub.add_parser("envs", help="list, show or play environments")
+    p.add_argument("action", choices=["list", "show", "play"])
+    p.add_argument("name", nargs="?")
+    p.add_argument("--split", default="train")
+    p.add_argument("--task", type=int, default=0, help="task index in the split")
+    p.set_defaults(fn=cmd_envs)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; user errors print one line and exit with status 2."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.fn(args))
+    except AgentevoError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; continue with `agentevo resume runs/NAME`", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

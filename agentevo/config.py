@@ -1,0 +1,353 @@
+"""Typed experiment configuration: dataclasses with help strings, YAML files and dotted overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from agentevo.errors import ConfigError
+
+
+def _help(text: str, default: Any = dataclasses.MISSING, factory: Any = dataclasses.MISSING) -> Any:
+    if factory is not dataclasses.MISSING:
+        return field(default_factory=factory, metadata={"help": text})
+    return field(default=default, metadata={"help": text})
+
+
+@dataclass
+class EnvConfig:
+    """Which environment, its parameters and how many tasks of each split to use."""
+
+    name: str = _help("environment name (see `agentevo envs list`)", "twx-cookingworld")
+    params: dict[str, Any] = _help("constructor parameters of the environment", factory=dict)
+    n_train: int | None = _help("training tasks (first n of the fixed train list; null = all)", 200)
+    n_dev: int | None = _help("validation tasks (first n of the fixed dev list)", 50)
+    n_test: int | None = _help("held-out test tasks (first n of the fixed test list)", 100)
+
+    def validate(self) -> None:
+        from agentevo.envs import ENVIRONMENTS
+
+        if self.name not in ENVIRONMENTS:
+            raise ConfigError(
+                f"env.name: unknown environment {self.name!r}; choose one of: {', '.join(sorted(ENVIRONMENTS))}"
+            )
+        for key in ("n_train", "n_dev", "n_test"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ConfigError(f"env.{key} must be >= 1 or null (got {value})")
+
+
+@dataclass
+class TinyModelConfig:
+    """The embedded default: a small Llama-style model with a tokenizer trained on environment text."""
+
+    hidden_size: int = _help("hidden size", 256)
+    num_layers: int = _help("transformer layers", 4)
+    num_heads: int = _help("attention heads", 4)
+    intermediate_size: int = _help("MLP width", 768)
+    vocab_size: int = _help("BPE vocabulary size trained on environment text (upper bound)", 2048)
+    max_positions: int = _help("maximum context length in tokens", 2048)
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters via peft (used when enabled)."""
+
+    enabled: bool = _help("train LoRA adapters instead of all weights", False)
+    r: int = _help("LoRA rank", 16)
+    alpha: int = _help("LoRA alpha", 32)
+    dropout: float = _help("LoRA dropout", 0.0)
+    target_modules: list[str] = _help(
+        "module names to adapt", factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+
+@dataclass
+class ModelConfig:
+    """The policy model: the embedded tiny model, or any local transformers causal LM (GGUF included)."""
+
+    path: str | None = _help("local model folder (save_pretrained layout) or GGUF folder; null = build the tiny model", None)
+    gguf_file: str | None = _help("GGUF file name inside `path`", None)
+    tiny: TinyModelConfig = _help("tiny-model shape (used when path is null)", factory=TinyModelConfig)
+    lora: LoraConfig = _help("LoRA settings", factory=LoraConfig)
+    torch_threads: int | None = _help("torch threads (null = idle cores, at least 1)", None)
+
+    def validate(self) -> None:
+        if self.path is not None:
+            p = Path(self.path).expanduser()
+            if not p.exists():
+                raise ConfigError(
+                    f"model.path {self.path!r} does not exist; give a local model folder "
+                    "(a transformers save_pretrained directory, or a folder holding a GGUF file with model.gguf_file) "
+                    "or set model.path to null for the embedded tiny model"
+                )
+            if self.gguf_file is not None and not (p / self.gguf_file).exists():
+                raise ConfigError(f"model.gguf_file {self.gguf_file!r} is not in {self.path!r}")
+        if self.tiny.hidden_size % self.tiny.num_heads:
+            raise ConfigError("model.tiny.hidden_size must be divisible by model.tiny.num_heads")
+
+
+@dataclass
+class AgentConfig:
+    """How prompts are built and how replies are parsed."""
+
+    history_window: int = _help("past (action, observation) turns kept in the prompt", 3)
+    max_new_tokens: int = _help("token budget of one reply", 48)
+    thoughts: str = _help("thought text in expert demos: 'template' (short, derived from the action) or 'none'", "template")
+
+    def validate(self) -> None:
+        if self.history_window < 0:
+            raise ConfigError(f"agent.history_window must be >= 0 (got {self.history_window})")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"agent.max_new_tokens must be >= 1 (got {self.max_new_tokens})")
+        if self.thoughts not in ("template", "none"):
+            raise ConfigError(f"agent.thoughts must be 'template' or 'none' (got {self.thoughts!r})")
+
+
+@dataclass
+class RolloutConfig:
+    """The batched rollout engine."""
+
+    n_parallel: int = _help("environments stepped at once (generation is batched across them)", 16)
+    batch_size: int = _help("largest generation batch", 16)
+    workers: str = _help("environment workers: 'thread' or 'process'", "thread")
+    temperature: float = _help("sampling temperature for collection (evaluation is greedy)", 0.7)
+    top_p: float = _help("nucleus sampling for collection", 1.0)
+    max_retries: int = _help("retries of an episode whose environment process died", 3)
+
+    def validate(self) -> None:
+        if self.workers not in ("thread", "process"):
+            raise ConfigError(f"rollout.workers must be 'thread' or 'process' (got {self.workers!r})")
+        if self.n_parallel < 1 or self.batch_size < 1:
+            raise ConfigError("rollout.n_parallel and rollout.batch_size must be >= 1")
+        if self.temperature < 0:
+            raise ConfigError(f"rollout.temperature must be >= 0 (got {self.temperature})")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"rollout.top_p must be in (0, 1] (got {self.top_p})")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with warmup + cosine, gradient accumulation and clipping."""
+
+    lr: float = _help("peak learning rate", 1e-3)
+    epochs: float = _help("passes over the training samples", 3.0)
+    batch_size: int = _help("samples per optimiser step (micro_batch_size x accumulation)", 32)
+    micro_batch_size: int = _help("samples per forward/backward", 16)
+    warmup_ratio: float = _help("fraction of steps with linear warmup", 0.03)
+    weight_decay: float = _help("AdamW weight decay", 0.0)
+    betas: tuple[float, float] = _help("AdamW betas", (0.9, 0.95))
+    grad_clip: float = _help("gradient-norm clip (0 = off)", 1.0)
+    save_every: int = _help("optimiser steps between resumable mid-training checkpoints (0 = only at the end)", 200)
+    max_length: int = _help("samples longer than this (tokens) are left-truncated inside the history", 1024)
+
+    def validate(self) -> None:
+        if self.lr <= 0:
+            raise ConfigError(f"optim.lr must be > 0 (got {self.lr})")
+        if self.epochs <= 0:
+            raise ConfigError(f"optim.epochs must be > 0 (got {self.epochs})")
+        if self.micro_batch_size < 1 or self.batch_size < self.micro_batch_size:
+            raise ConfigError("optim.batch_size must be >= optim.micro_batch_size >= 1")
+        if self.batch_size % self.micro_batch_size:
+            raise ConfigError(
+                f"optim.batch_size ({self.batch_size}) must be a multiple of optim.micro_batch_size "
+                f"({self.micro_batch_size})"
+            )
+        if not 0 <= self.warmup_ratio < 1:
+            raise ConfigError(f"optim.warmup_ratio must be in [0, 1) (got {self.warmup_ratio})")
+
+
+@dataclass
+class EvalConfig:
+    """The evaluation protocol: greedy decoding on fixed splits."""
+
+    splits: list[str] = _help("splits to evaluate on", factory=lambda: ["test"])
+    n_tasks: int | None = _help("tasks per split (first n of the fixed list; null = env.n_<split>)", None)
+
+    def validate(self) -> None:
+        for split in self.splits:
+            if split not in ("train", "dev", "test"):
+                raise ConfigError(f"eval.splits: unknown split {split!r}; use train, dev or test")
+
+
+@dataclass
+class BCConfig:
+    """Behaviour cloning on expert demos."""
+
+    n_expert: int | None = _help("expert demos (one per training task, first n tasks; null = env.n_train)", None)
+
+
+@dataclass
+class RunConfig:
+    """One experiment: a method on an environment with a model."""
+
+    method: str = _help("recipe to run (bc)", "bc")
+    name: str | None = _help("run name (folder under output_dir); null = <method>-<env>-<time>", None)
+    output_dir: str = _help("where run folders are created", "runs")
+    seed: int = _help("global seed", 0)
+    env: EnvConfig = _help("environment", factory=EnvConfig)
+    model: ModelConfig = _help("policy model", factory=ModelConfig)
+    agent: AgentConfig = _help("prompting and parsing", factory=AgentConfig)
+    rollout: RolloutConfig = _help("rollout engine", factory=RolloutConfig)
+    optim: OptimConfig = _help("optimiser", factory=OptimConfig)
+    eval: EvalConfig = _help("evaluation protocol", factory=EvalConfig)
+    bc: BCConfig = _help("BC settings", factory=BCConfig)
+
+    def validate(self) -> None:
+        from agentevo.recipes import RECIPES
+
+        if self.method not in RECIPES:
+            raise ConfigError(f"method: unknown recipe {self.method!r}; choose one of: {', '.join(sorted(RECIPES))}")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if dataclasses.is_dataclass(value) and hasattr(value, "validate"):
+                value.validate()
+
+
+# -- loading ----------------------------------------------------------------------------------------
+
+
+def _resolve_type(cls: type, name: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    return hints[name]
+
+
+def _is_dataclass_type(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if _is_dataclass_type(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a mapping (got {value!r})")
+        return _build(tp, value, where)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            if type(None) in typing.get_args(tp):
+                return None
+            raise ConfigError(f"{where} may not be null")
+        return _coerce(value, args[0], where)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false (got {value!r})")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where} must be an integer (got {value!r})")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where} must be a number (got {value!r})")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} must be a string (got {value!r})")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where} must be a list (got {value!r})")
+        return tuple(_coerce(v, a, where) for v, a in zip(value, typing.get_args(tp), strict=False))
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where} must be a list (got {value!r})")
+        (arg,) = typing.get_args(tp)
+        return [_coerce(v, arg, where) for v in value]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a mapping (got {value!r})")
+        return dict(value)
+    return value
+
+
+def _build(cls: type, data: dict[str, Any], where: str = "") -> Any:
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        prefix = f"{where}." if where else ""
+        raise ConfigError(
+            f"unknown config key {prefix}{unknown[0]!r}; allowed keys{' under ' + where if where else ''}: "
+            f"{', '.join(sorted(names))}"
+        )
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _coerce(value, _resolve_type(cls, name), f"{where}.{name}" if where else name)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {dotted}: {key!r} is not a section")
+    node[keys[-1]] = value
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """Turn ['a.b=1', 'c=x'] into a nested dict; values are parsed as YAML scalars."""
+    tree: dict[str, Any] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ConfigError(f"--set expects KEY=VALUE (got {pair!r}), e.g. --set optim.lr=3e-4")
+        key, raw = pair.split("=", 1)
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else "")
+    return tree
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and key != "params":
+            out[key] = _merge(out[key], value)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = {**out[key], **value}
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, **top: Any) -> RunConfig:
+    """Build and validate a RunConfig from an optional YAML file, top-level keys and dotted overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"config file {str(p)!r} does not exist; see configs/ for examples")
+        loaded = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
+        data = loaded
+    data = _merge(data, {k: v for k, v in top.items() if v is not None})
+    data = _merge(data, parse_overrides(overrides or []))
+    cfg = _build(RunConfig, data)
+    cfg.validate()
+    return cfg
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain nested dict (tuples as lists) for YAML."""
+
+    def plain(v: Any) -> Any:
+        if dataclasses.is_dataclass(v):
+            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+
+    return plain(cfg)
+
+
+def dump_config(cfg: Any) -> str:
+    """The resolved config as YAML."""
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)

@@ -1,0 +1,99 @@
+"""runs/NAME/report.md with plots: evaluation table, success per policy, training curves."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _eval_rows(state: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
+    rows = []
+    for key, per_split in state.items():
+        if key.startswith("eval/") and isinstance(per_split, dict):
+            for split, m in per_split.items():
+                if isinstance(m, dict) and "success_rate" in m:
+                    rows.append((key[len("eval/") :], split, m))
+    return rows
+
+
+def _plot_success(rows: list[tuple[str, str, dict[str, Any]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{policy}\n{split}" for policy, split, _ in rows]
+    values = [100 * m["success_rate"] for _, _, m in rows]
+    fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(rows)), 3.2))
+    ax.bar(labels, values, color="#4c72b0")
+    for x, v in enumerate(values):
+        ax.text(x, v + 1, f"{v:.1f}", ha="center", fontsize=8)
+    ax.set_ylabel("success rate (%)")
+    ax.set_ylim(0, 105)
+    ax.set_title("held-out success (greedy)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_training(records: list[dict[str, Any]], path: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    phases = sorted({r["phase"] for r in records if r["phase"].endswith("/train") and "loss" in r})
+    if not phases:
+        return []
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for phase in phases:
+        pts = [(r["step"], r["loss"]) for r in records if r["phase"] == phase and "loss" in r]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=phase)
+    ax.set_xlabel("optimiser step")
+    ax.set_ylabel("loss")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return phases
+
+
+def write_report(run: Any) -> Path:
+    """Write report.md (and plots/*.png) from state.json and metrics.jsonl; returns its path."""
+    plots = run.dir / "plots"
+    plots.mkdir(exist_ok=True)
+    cfg = run.cfg
+    rows = _eval_rows(run.state)
+    lines = [
+        f"# {cfg.method} on {cfg.env.name}",
+        "",
+        f"- run folder: `{run.dir}`",
+        f"- model: {cfg.model.path or 'embedded tiny Llama (tokenizer trained on environment text)'}",
+        f"- seed: {cfg.seed}; torch threads: {run.threads}",
+        f"- reproduce: `agentevo train {cfg.method} --config {run.dir / 'config.yaml'}`",
+        "",
+        "## Held-out evaluation (greedy)",
+        "",
+        "| policy | split | tasks | success | avg reward | mean steps | format err | invalid | repeat | task hash |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for policy, split, m in rows:
+        lines.append(
+            f"| {policy} | {split} | {m['n']} | {100 * m['success_rate']:.1f}% | {m['avg_reward']:.3f} | "
+            f"{m['mean_steps']:.1f} | {100 * m['format_error_rate']:.1f}% | {100 * m['invalid_rate']:.1f}% | "
+            f"{100 * m['repeat_rate']:.1f}% | `{m.get('task_hash', '')}` |"
+        )
+    if rows:
+        _plot_success(rows, plots / "success.png")
+        lines += ["", "![success](plots/success.png)"]
+    phases = _plot_training(run.logger.records(), plots / "training.png")
+    if phases:
+        lines += ["", "## Training", "", "![training loss](plots/training.png)"]
+    extra = {k: v for k, v in run.state.items() if not k.startswith("eval/")}
+    if extra:
+        lines += ["", "## Phases", ""]
+        for key, value in extra.items():
+            lines.append(f"- **{key}**: {value}")
+    path = run.dir / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path

@@ -1,0 +1,175 @@
+"""The transformers policy backend: batched generation with token ids and log-probs, scoring, save/load."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agentevo.agent.chat import ChatRenderer
+from agentevo.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Decoding settings for one generate call (temperature 0 = greedy)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_new_tokens: int = 48
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass
+class Generation:
+    """One reply: the generated token ids (ending with a stop token when it stopped), their log-probs, text."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+
+
+def set_torch_threads(threads: int | None) -> int:
+    """Use the given thread count, or the idle cores (at least 1) when None; returns the count in use."""
+    if threads is None:
+        try:
+            load = os.getloadavg()[0]
+        except OSError:
+            load = 0.0
+        threads = max(1, int(round((os.cpu_count() or 1) - load)))
+    torch.set_num_threads(threads)
+    return threads
+
+
+class TransformersPolicy:
+    """A causal LM from transformers acting as a policy: generate(), token_logprobs(), save()."""
+
+    def __init__(self, model: Any, tokenizer: Any, policy_id: str = "init", batch_size: int = 16) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.renderer = ChatRenderer(tokenizer)
+        self.policy_id = policy_id
+        self.batch_size = batch_size
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        self.pad_id = int(tokenizer.pad_token_id)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Generation]:
+        """Replies for a batch of prompt token ids; batched by length with left padding and a KV cache."""
+        self.model.eval()
+        if sampling.seed is not None:
+            torch.manual_seed(sampling.seed)
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        out: list[Generation | None] = [None] * len(prompts)
+        for start in range(0, len(order), self.batch_size):
+            chunk = order[start : start + self.batch_size]
+            for i, gen in zip(chunk, self._generate_batch([prompts[i] for i in chunk], sampling), strict=True):
+                out[i] = gen
+        return [g for g in out if g is not None]
+
+    def _generate_batch(self, prompts: list[list[int]], sampling: Sampling) -> list[Generation]:
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, p in enumerate(prompts):
+            input_ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            attention[row, width - len(p) :] = 1
+        kwargs: dict[str, Any] = {
+            "max_new_tokens": sampling.max_new_tokens,
+            "eos_token_id": self.renderer.stop_ids,
+            "pad_token_id": self.pad_id,
+            "return_dict_in_generate": True,
+            "output_logits": True,
+            "top_k": None,
+        }
+        if sampling.greedy:
+            kwargs.update(do_sample=False, temperature=None, top_p=None)
+        else:
+            kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p)
+        result = self.model.generate(
+            input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device), **kwargs
+        )
+        new_tokens = result.sequences[:, width:].cpu()
+        # Raw (temperature-1) logits: the stored log-probs are log pi(a|s) of the policy itself, what ratios need.
+        logits = torch.stack(result.logits, dim=1).float().cpu()
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        stops = set(self.renderer.stop_ids)
+        gens = []
+        for row in range(len(prompts)):
+            ids = new_tokens[row].tolist()
+            n = len(ids)
+            for j, tok in enumerate(ids):
+                if tok in stops:
+                    n = j + 1
+                    break
+            ids = ids[:n]
+            gens.append(Generation(ids, logp[row, :n].tolist(), self.renderer.decode(ids)))
+        return gens
+
+    def save(self, path: str | Path) -> Path:
+        """Write a save_pretrained folder atomically (temp folder, then rename)."""
+        return save_pretrained_atomic(self.model, self.tokenizer, path)
+
+
+def save_pretrained_atomic(model: Any, tokenizer: Any, path: str | Path) -> Path:
+    """save_pretrained into path.tmp, then swap it into place so a crash never leaves a half-written folder."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if path.exists():
+        old = path.with_name(path.name + ".old")
+        if old.exists():
+            shutil.rmtree(old)
+        path.rename(old)
+        tmp.rename(path)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(path)
+    return path
+
+
+def load_pretrained(path: str | Path, gguf_file: str | None = None) -> tuple[Any, Any]:
+    """Load a local causal LM and its tokenizer in fp32 (GGUF files are dequantised and made saveable)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ConfigError(
+            f"model path {str(p)!r} does not exist; point model.path at a local save_pretrained folder "
+            "(or a folder with a GGUF file and model.gguf_file), or leave it null for the tiny model"
+        )
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(p, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32, **kwargs)
+    except OSError as exc:
+        raise ConfigError(f"could not load a causal LM from {str(p)!r}: {exc}") from exc
+    if gguf_file:
+        # A GGUF-loaded model refuses save_pretrained; rebuild it as a plain fp32 model with the same weights.
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(model.state_dict())
+        model = plain
+    tokenizer.padding_side = "left"
+    return model, tokenizer

@@ -1,0 +1,55 @@
+"""Steps per second of the pure-Python text environments (local WebShop, SearchQA), replaying their experts.
+
+Usage: python bench/bench_text_envs.py [--splits train dev test] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from agentevo.envs.searchqa import SearchQAEnv
+from agentevo.envs.webshop import WebShopEnv
+
+
+def replay(env: Any, splits: list[str], repeats: int) -> dict[str, float]:
+    """Replay the expert on every task of the splits `repeats` times; time reset+step only (not expert planning)."""
+    plans = [(task, env.expert(task)) for split in splits for task in env.tasks(split)]
+    steps = episodes = 0
+    reward = 0.0
+    elapsed = 0.0
+    for _ in range(repeats):
+        for task, actions in plans:
+            t0 = time.perf_counter()
+            env.reset(task)
+            for action in actions:
+                _, r, _, _ = env.step(action)
+            elapsed += time.perf_counter() - t0
+            steps += len(actions)
+            episodes += 1
+            reward += r
+    return {"episodes": episodes, "steps": steps, "seconds": elapsed, "steps_per_s": steps / elapsed,
+            "episodes_per_s": episodes / elapsed, "mean_reward": reward / episodes}
+
+
+def main() -> None:
+    """Run the benchmark and print one line per environment."""
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--splits", nargs="+", default=["train", "dev", "test"])
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    for name, make in (("webshop(local)", lambda: WebShopEnv(backend="local")), ("searchqa", SearchQAEnv)):
+        t0 = time.perf_counter()
+        env = make()
+        build = time.perf_counter() - t0
+        res = replay(env, args.splits, args.repeats)
+        print(
+            f"{name:15s} build {build * 1000:7.1f} ms | {res['episodes']:5d} episodes {res['steps']:6d} steps "
+            f"in {res['seconds']:6.2f} s | {res['steps_per_s']:9.0f} steps/s {res['episodes_per_s']:8.0f} episodes/s "
+            f"| expert mean reward {res['mean_reward']:.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

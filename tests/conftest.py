@@ -1,0 +1,48 @@
+"""Shared fixtures: a tiny randomly initialised policy and a TextWorldExpress environment."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
+CORPUS = [
+    "You are in the kitchen. In one part of the room you see a fridge that is closed. take knife open fridge",
+    "Thought: I need the knife.\nAction: take knife",
+    "Observation: You take the knife. Unknown action: I'm not sure what you mean.",
+    "Your task is to cook a meal. Check the cookbook in the kitchen for the recipe.",
+] * 20
+
+
+@pytest.fixture(scope="session")
+def tiny_policy():  # noqa: ANN201
+    """A 2-layer tiny Llama with a tokenizer trained on a few game sentences (untrained weights)."""
+    from agentevo.config import TinyModelConfig
+    from agentevo.models.backend import TransformersPolicy
+    from agentevo.models.tiny import build_tiny_model, train_tokenizer
+
+    tok = train_tokenizer(CORPUS, 400)
+    model = build_tiny_model(
+        TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, max_positions=4096), tok, 0
+    )
+    model.eval()
+    return TransformersPolicy(model, tok, "tiny", batch_size=8)
+
+
+@pytest.fixture()
+def twx_env():  # noqa: ANN201
+    from agentevo.envs import make_env
+
+    env = make_env("twx-cookingworld", n_train=8, n_dev=4, n_test=4)
+    yield env
+    env.close()

@@ -1,0 +1,82 @@
+"""TextWorldExpress adapter: gold replays, fixed hashed splits, signals on the real strings, JVM crash."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from agentevo.envs import make_env
+from agentevo.errors import ConfigError, EnvCrashedError
+
+
+@pytest.mark.parametrize("name", ["twx-cookingworld", "twx-twc"])
+def test_gold_sequences_reach_success(name: str) -> None:
+    env = make_env(name, n_test=5)
+    try:
+        for task in env.tasks("test"):
+            gold = env.expert(task)
+            obs, info = env.reset(task)
+            assert info["goal"] and info["goal"] in obs
+            done = False
+            for action in gold:
+                obs, reward, done, info = env.step(action)
+                if done:
+                    break
+            assert done and info["success"] and info["score"] == pytest.approx(1.0), task.task_id
+    finally:
+        env.close()
+
+
+def test_task_lists_are_fixed_and_hashed() -> None:
+    a = make_env("twx-cookingworld", n_train=10, n_dev=5, n_test=5)
+    b = make_env("twx-cookingworld", n_train=10, n_dev=5, n_test=5)
+    try:
+        for split in ("train", "dev", "test"):
+            assert a.tasks(split).hash == b.tasks(split).hash
+            assert [t.task_id for t in a.tasks(split)] == [t.task_id for t in b.tasks(split)]
+        train_ids = {t.task_id for t in a.tasks("train")}
+        assert train_ids.isdisjoint({t.task_id for t in a.tasks("test")})
+        assert a.tasks("train")[0].task_id == "twx-cookingworld/train/0"
+        assert a.tasks("test")[0].params["seed"] == 20000
+        # the hash depends on the game parameters too
+        c = make_env("twx-cookingworld", n_train=10, game_params={"numIngredients": 3})
+        assert c.tasks("train").hash != a.tasks("train").hash
+        c.close()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_signals_on_real_strings(twx_env) -> None:  # noqa: ANN001
+    task = twx_env.tasks("train")[0]
+    obs, _ = twx_env.reset(task)
+    bad, _, _, _ = twx_env.step("fly to the moon")
+    assert bad.startswith("Unknown action")
+    assert twx_env.signals(obs, "fly to the moon", bad, True) == "invalid"
+    assert twx_env.signals(obs, "", "whatever", False) == "format"
+    look, _, _, _ = twx_env.step("look around")
+    again, _, _, _ = twx_env.step("look around")
+    assert twx_env.signals(look, "look around", again, True) == "repeat"
+    took, _, _, _ = twx_env.step("take cookbook")
+    assert twx_env.signals(again, "take cookbook", took, True) == "none"
+
+
+def test_unknown_game_parameter_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="numIngredients"):
+        make_env("twx-cookingworld", game_params={"numIngredientz": 2})
+
+
+def test_killed_jvm_raises_env_crashed_and_recovers(twx_env) -> None:  # noqa: ANN001
+    task = twx_env.tasks("train")[0]
+    twx_env.reset(task)
+    os.kill(twx_env.jvm_pid(), signal.SIGKILL)
+    with pytest.raises(EnvCrashedError):
+        for _ in range(3):
+            twx_env.step("look around")
+    gold = twx_env.expert(task)
+    twx_env.reset(task)
+    for action in gold:
+        _, _, done, info = twx_env.step(action)
+    assert info["success"]

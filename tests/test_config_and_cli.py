@@ -1,0 +1,72 @@
+"""Configuration validation and the CLI's one-line errors that name the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentevo.cli import main
+from agentevo.config import dump_config, load_config, parse_overrides
+from agentevo.errors import ConfigError
+
+
+def _one_line_error(capsys, argv: list[str]) -> str:  # noqa: ANN001
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("error: ")
+    return err
+
+
+def test_unknown_environment_error(capsys, tmp_path) -> None:  # noqa: ANN001
+    err = _one_line_error(capsys, ["train", "bc", "--set", "env.name=minecraft", "--output-dir", str(tmp_path)])
+    assert "unknown environment 'minecraft'" in err and "twx-cookingworld" in err
+
+
+def test_impossible_value_error(capsys, tmp_path) -> None:  # noqa: ANN001
+    err = _one_line_error(capsys, ["train", "bc", "--set", "optim.lr=-1", "--output-dir", str(tmp_path)])
+    assert "optim.lr must be > 0 (got -1" in err
+    err = _one_line_error(capsys, ["train", "--set", "optim.batch_size=10", "--set", "optim.micro_batch_size=4",
+                                   "--output-dir", str(tmp_path)])
+    assert "multiple of optim.micro_batch_size" in err
+
+
+def test_missing_model_path_error(capsys, tmp_path) -> None:  # noqa: ANN001
+    err = _one_line_error(capsys, ["train", "bc", "--set", f"model.path={tmp_path}/nowhere", "--output-dir", str(tmp_path)])
+    assert "does not exist" in err and "model.path" in err and "null for the embedded tiny model" in err
+
+
+def test_unknown_key_and_type_errors(capsys, tmp_path) -> None:  # noqa: ANN001
+    err = _one_line_error(capsys, ["train", "--set", "optim.learning_rate=1", "--output-dir", str(tmp_path)])
+    assert "unknown config key optim.'learning_rate'" in err and "lr" in err
+    err = _one_line_error(capsys, ["train", "--set", "rollout.n_parallel=many", "--output-dir", str(tmp_path)])
+    assert "rollout.n_parallel must be an integer" in err
+    err = _one_line_error(capsys, ["train", "--config", str(tmp_path / "missing.yaml")])
+    assert "does not exist" in err
+    err = _one_line_error(capsys, ["train", "qevolve-typo", "--output-dir", str(tmp_path)])
+    assert "unknown recipe 'qevolve-typo'" in err
+
+
+def test_resume_of_a_non_run_folder(capsys, tmp_path) -> None:  # noqa: ANN001
+    err = _one_line_error(capsys, ["resume", str(tmp_path)])
+    assert "not a run folder" in err
+
+
+def test_overrides_yaml_and_round_trip(tmp_path) -> None:  # noqa: ANN001
+    assert parse_overrides(["a.b=3", "a.c=[x, y]", "d=null"]) == {"a": {"b": 3, "c": ["x", "y"]}, "d": None}
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        parse_overrides(["novalue"])
+    path = tmp_path / "c.yaml"
+    path.write_text("env:\n  name: twx-twc\n  n_test: 7\noptim:\n  lr: 0.01\n")
+    cfg = load_config(path, ["optim.epochs=2", "env.params.max_steps=9"])
+    assert (cfg.env.name, cfg.env.n_test, cfg.optim.lr, cfg.optim.epochs) == ("twx-twc", 7, 0.01, 2.0)
+    assert cfg.env.params == {"max_steps": 9}
+    again = tmp_path / "again.yaml"
+    again.write_text(dump_config(cfg))
+    assert dump_config(load_config(again)) == dump_config(cfg)
+
+
+def test_envs_list(capsys) -> None:  # noqa: ANN001
+    assert main(["envs", "list"]) == 0
+    out = capsys.readouterr().out
+    for name in ("twx-cookingworld", "scienceworld", "alfworld", "webshop", "searchqa"):
+        assert name in out
