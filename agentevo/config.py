@@ -5,19 +5,18 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from agentevo.algorithms.baselines_config import ETOConfig, QLASSConfig
+from agentevo.algorithms.grpo_config import GRPOConfig, SelfGuideConfig
+from agentevo.algorithms.qevolve_config import QEvolveConfig
+from agentevo.algorithms.rsd_config import RSDConfig
 from agentevo.errors import ConfigError
-
-
-def _help(text: str, default: Any = dataclasses.MISSING, factory: Any = dataclasses.MISSING) -> Any:
-    if factory is not dataclasses.MISSING:
-        return field(default_factory=factory, metadata={"help": text})
-    return field(default=default, metadata={"help": text})
+from agentevo.options import option as _help
 
 
 @dataclass
@@ -198,6 +197,12 @@ class RunConfig:
     optim: OptimConfig = _help("optimiser", factory=OptimConfig)
     eval: EvalConfig = _help("evaluation protocol", factory=EvalConfig)
     bc: BCConfig = _help("BC settings", factory=BCConfig)
+    qevolve: QEvolveConfig = _help("Q-Evolve settings (methods-spec section 2)", factory=QEvolveConfig)
+    grpo: GRPOConfig = _help("GRPO settings (methods-spec section 5 / 3.2)", factory=GRPOConfig)
+    selfguide: SelfGuideConfig = _help("Self-Guide settings (methods-spec section 3)", factory=SelfGuideConfig)
+    rsd: RSDConfig = _help("RSD settings (methods-spec section 4)", factory=RSDConfig)
+    eto: ETOConfig = _help("ETO baseline settings (methods-spec section 5)", factory=ETOConfig)
+    qlass: QLASSConfig = _help("QLASS baseline settings (methods-spec section 5)", factory=QLASSConfig)
 
     def validate(self) -> None:
         from agentevo.recipes import RECIPES

@@ -6,12 +6,33 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
+from agentevo.errors import ConfigError
+
 RECIPES: dict[str, str] = {
     "bc": "agentevo.algorithms.bc:run",
+    # Q-Evolve and the baselines of its table
+    "qevolve": "agentevo.algorithms.qevolve:run",
+    "eto": "agentevo.algorithms.eto:run",
+    "qlass": "agentevo.algorithms.qlass:run",
+    # GRPO and Self-Guide
+    "grpo": "agentevo.algorithms.grpo:run",
+    "selfguide": "agentevo.algorithms.selfguide:run",
+    # RSD and the baselines of its table
+    "rsd": "agentevo.algorithms.rsd:run",
+    "gt_sft": "agentevo.algorithms.rsd_baselines:run_gt_sft",
+    "gt_opsd": "agentevo.algorithms.rsd_baselines:run_gt_opsd",
+    "bon_sft": "agentevo.algorithms.bon_sft:run",
+    "harness": "agentevo.algorithms.harness:run",
+    "reflexion": "agentevo.algorithms.reflexion:run",
 }
 
 
 def get_recipe(name: str) -> Callable[[Any], dict[str, Any]]:
     """The run() function of a recipe."""
     module, fn = RECIPES[name].split(":")
-    return getattr(importlib.import_module(module), fn)
+    try:
+        return getattr(importlib.import_module(module), fn)
+    except ModuleNotFoundError as exc:
+        if exc.name == module:
+            raise ConfigError(f"recipe {name!r} is registered but not implemented in this version") from exc
+        raise

@@ -75,6 +75,15 @@ def train_bc(run: Any, policy: TransformersPolicy, trajs: list[Trajectory], name
 
 def run(run: Any) -> dict[str, Any]:
     """The BC recipe end to end; returns the evaluation table."""
+    return warm_start(run)
+
+
+def warm_start(run: Any) -> dict[str, Any]:
+    """Expert demos -> initial policy (checkpoints/init) -> eval -> BC (checkpoints/bc) -> eval.
+
+    Every phase is recorded in state.json, so recipes that start from BC (Q-Evolve, ETO, QLASS, GRPO, ...)
+    call this first and a resumed run skips what is done. Returns each phase's result.
+    """
     cfg = run.cfg
     n_expert = cfg.bc.n_expert or cfg.env.n_train
     demos = run.phase("expert", lambda: _expert_stats(collect_expert(run, n_expert)))
