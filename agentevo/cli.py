@@ -29,7 +29,7 @@ def _summary_table(run: Any, results: dict[str, Any]) -> None:
                 f"{m['avg_reward']:.3f}", f"{m['mean_steps']:.1f}", f"{100 * m['format_error_rate']:.1f}%",
                 f"{100 * m['invalid_rate']:.1f}%", m.get("task_hash", ""),
             )
-    Console().print(table)
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
 
 
 def _run_recipe(run: Any) -> int:

@@ -1,0 +1,81 @@
+"""The CLI end to end on a very small BC run: killed mid-collection, resumed, report written."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SMALL = [
+    "--config", "configs/demo_twx_bc.yaml",
+    "--set", "env.n_train=4", "--set", "env.n_test=6", "--set", "env.params.max_steps=3",
+    "--set", "optim.epochs=1", "--set", "optim.batch_size=2", "--set", "optim.micro_batch_size=2",
+    "--set", "model.tiny.hidden_size=32", "--set", "model.tiny.num_layers=1", "--set", "model.tiny.num_heads=2",
+    "--set", "model.tiny.intermediate_size=64", "--set", "rollout.n_parallel=2", "--set", "agent.max_new_tokens=6",
+    "--quiet",
+]
+
+
+def _count(db: Path, collection: str) -> int:
+    try:
+        with sqlite3.connect(db) as conn:
+            return conn.execute("SELECT COUNT(*) FROM trajectories WHERE collection = ?", (collection,)).fetchone()[0]
+    except sqlite3.Error:
+        return 0
+
+
+def _rows(db: Path) -> list[tuple]:
+    with sqlite3.connect(db) as conn:
+        return conn.execute("SELECT id, collection, slot, task_id, n_steps FROM trajectories ORDER BY id").fetchall()
+
+
+def test_killed_run_resumes_and_reports(tmp_path) -> None:  # noqa: ANN001
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "agentevo.cli", "train", *SMALL, "--name", "r", "--output-dir", str(tmp_path)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    db = tmp_path / "r" / "experience.db"
+    deadline = time.time() + 240
+    while _count(db, "eval/init/test") < 2 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert proc.poll() is None, "the run finished before it could be killed; make it longer"
+    os.killpg(proc.pid, signal.SIGKILL)  # the JVMs go too, as in a real crash
+    proc.wait()
+    before = _rows(db)
+    assert any(r[1] == "expert" for r in before) and 2 <= sum(r[1] == "eval/init/test" for r in before) < 6
+
+    out = subprocess.run([sys.executable, "-m", "agentevo.cli", "resume", str(tmp_path / "r"), "--quiet"], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    after = _rows(db)
+    assert after[: len(before)] == before  # nothing stored before the crash was lost or replayed
+    assert _count(db, "eval/init/test") == 6 and _count(db, "eval/bc/test") == 6 and _count(db, "expert") == 4
+    report = (tmp_path / "r" / "report.md").read_text()
+    assert "| init | test | 6 |" in report and "| bc | test | 6 |" in report
+    assert (tmp_path / "r" / "plots" / "success.png").exists()
+    assert (tmp_path / "r" / "checkpoints" / "bc" / "model.safetensors").exists()
+    assert "success" in out.stdout and "bc" in out.stdout  # the closing summary table
+
+
+def test_checkpoint_loads_with_plain_transformers(tmp_path) -> None:  # noqa: ANN001
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from agentevo.config import TinyModelConfig
+    from agentevo.models.backend import TransformersPolicy
+    from agentevo.models.tiny import build_tiny_model, train_tokenizer
+
+    tok = train_tokenizer(["take knife. open fridge. You are in the kitchen."] * 5, 300)
+    model = build_tiny_model(TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok, 0)
+    TransformersPolicy(model, tok).save(tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt.tmp").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", local_files_only=True)
+    tok2 = AutoTokenizer.from_pretrained(tmp_path / "ckpt", local_files_only=True)
+    ids = tok2("take knife", return_tensors="pt")["input_ids"]
+    import torch
+
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids).logits, model(ids).logits, atol=1e-5)
+    assert tok2.chat_template == tok.chat_template
