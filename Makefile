@@ -19,8 +19,9 @@ $(VENV)/.installed-base: pyproject.toml | $(PY)
 	$(PIP) install -q -c $(PIN) -e ".[twx]"
 	touch $@
 
+# alfworld builds fast-downward from source with `python` taken from PATH: put the venv first
 $(VENV)/.installed-test: $(VENV)/.installed-base
-	$(PIP) install -q -c $(PIN) -e ".[twx,scienceworld,alfworld,dev]"
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PIP) install -q -c $(PIN) -e ".[twx,scienceworld,alfworld,dev]"
 	touch $@
 
 check-java:
