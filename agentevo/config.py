@@ -16,7 +16,12 @@ from agentevo.algorithms.grpo_config import GRPOConfig, SelfGuideConfig
 from agentevo.algorithms.qevolve_config import QEvolveConfig
 from agentevo.algorithms.rsd_config import RSDConfig
 from agentevo.errors import ConfigError
+from agentevo.models.http_backend import HTTPConfig
+from agentevo.models.vllm_backend import VLLMConfig
 from agentevo.options import option as _help
+
+BACKENDS = ("transformers", "vllm", "http")
+WORKERS = ("thread", "process", "ray")
 
 
 @dataclass
@@ -76,8 +81,17 @@ class ModelConfig:
     tiny: TinyModelConfig = _help("tiny-model shape (used when path is null)", factory=TinyModelConfig)
     lora: LoraConfig = _help("LoRA settings", factory=LoraConfig)
     torch_threads: int | None = _help("torch threads (null = idle cores, at least 1)", None)
+    backend: str = _help("what generates rollouts and evaluations: transformers (in this process), vllm (a vLLM "
+                         "engine on this machine's GPUs) or http (an OpenAI-compatible server); training always "
+                         "uses transformers", "transformers")
+    vllm: VLLMConfig = _help("vLLM engine settings (backend = vllm)", factory=VLLMConfig)
+    http: HTTPConfig = _help("OpenAI-compatible server (backend = http)", factory=HTTPConfig)
 
     def validate(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"model.backend must be one of {', '.join(BACKENDS)} (got {self.backend!r})")
+        self.vllm.validate()
+        self.http.validate()
         if self.path is not None:
             p = Path(self.path).expanduser()
             if not p.exists():
@@ -115,14 +129,15 @@ class RolloutConfig:
 
     n_parallel: int = _help("environments stepped at once (generation is batched across them)", 16)
     batch_size: int = _help("largest generation batch", 16)
-    workers: str = _help("environment workers: 'thread' or 'process'", "thread")
+    workers: str = _help("environment workers: 'thread', 'process' or 'ray' (Ray actors; RAY_ADDRESS names the "
+                         "cluster, else a local Ray is started)", "thread")
     temperature: float = _help("sampling temperature for collection (evaluation is greedy)", 0.7)
     top_p: float = _help("nucleus sampling for collection", 1.0)
     max_retries: int = _help("retries of an episode whose environment process died", 3)
 
     def validate(self) -> None:
-        if self.workers not in ("thread", "process"):
-            raise ConfigError(f"rollout.workers must be 'thread' or 'process' (got {self.workers!r})")
+        if self.workers not in WORKERS:
+            raise ConfigError(f"rollout.workers must be one of {', '.join(WORKERS)} (got {self.workers!r})")
         if self.n_parallel < 1 or self.batch_size < 1:
             raise ConfigError("rollout.n_parallel and rollout.batch_size must be >= 1")
         if self.temperature < 0:

@@ -68,6 +68,7 @@ class Run:
         self.state: dict[str, Any] = json.loads(self.state_path.read_text()) if self.state_path.exists() else {}
         self.threads = set_torch_threads(cfg.model.torch_threads)
         self._signal_env: Any = None
+        self._engine: Any = None  # the vLLM engine of this run (model.backend = vllm), kept across rounds
 
     # -- creation ------------------------------------------------------------------------------
     @classmethod
@@ -138,6 +139,42 @@ class Run:
         model, tokenizer = load_pretrained(path)
         return TransformersPolicy(model, tokenizer, policy_id or path.name, batch_size=self.cfg.rollout.batch_size)
 
+    def rollout_policy(self, name_or_path: str | Path, policy_id: str | None = None) -> Any:
+        """The policy that acts (rollouts, evaluation) with model.backend: transformers, vLLM or HTTP.
+
+        Training still takes load_policy()'s TransformersPolicy. A vLLM engine is started once per run and
+        refreshed in place with each new checkpoint; an HTTP policy talks to a server that already serves it.
+        """
+        path = Path(name_or_path)
+        if not path.exists():
+            path = self.checkpoint_dir(str(name_or_path))
+        policy_id = policy_id or path.name
+        backend = self.cfg.model.backend
+        if backend == "transformers":
+            return self.load_policy(path, policy_id)
+        if backend == "vllm":
+            from agentevo.models.vllm_backend import VLLMPolicy
+
+            if self._engine is None:
+                self._engine = VLLMPolicy(path, None, policy_id, self.cfg.model.vllm, self.cfg.seed)
+            elif self._engine.model_path != path or self._engine.policy_id != policy_id:
+                self._engine.refresh(path, policy_id)
+            return self._engine
+        from transformers import AutoTokenizer
+
+        from agentevo.models.http_backend import HTTPPolicy
+
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return HTTPPolicy.from_config(self.cfg.model.http, tokenizer, policy_id, self.cfg.rollout.batch_size)
+
+    def actor(self, policy: Any, sampling: Sampling, source: str = "self") -> Any:
+        """The actor for a policy: ReAct prompts as token ids, or as chat text for an HTTP server in chat mode."""
+        from agentevo.models.http_backend import HTTPPolicy, http_actor
+
+        if isinstance(policy, HTTPPolicy):
+            return http_actor(policy, self.signal_env.instruction(), self.cfg.agent.history_window, sampling, source)
+        return PolicyActor(policy, self.signal_env.instruction(), self.cfg.agent.history_window, sampling, source)
+
     # -- collection and evaluation ------------------------------------------------------------
     @contextmanager
     def progress(self, description: str, total: int | None = None) -> Iterator[ProgressBar]:
@@ -181,10 +218,7 @@ class Run:
         for split in splits or self.cfg.eval.splits:
             n = self.cfg.eval.n_tasks
             tasks = self.tasks(split, n)
-            actor = PolicyActor(
-                policy, self.signal_env.instruction(), self.cfg.agent.history_window,
-                Sampling(temperature=0.0, max_new_tokens=self.cfg.agent.max_new_tokens),
-            )
+            actor = self.actor(policy, Sampling(temperature=0.0, max_new_tokens=self.cfg.agent.max_new_tokens))
             requests = [EpisodeRequest(t, k, prefix=prefix_fn(t) if prefix_fn else "") for k, t in enumerate(tasks)]
             trajs = self.collect(actor, requests, f"eval/{label}/{split}", f"eval {label} on {split}")
             metrics = {**summarize(trajs), "task_hash": tasks.hash, "split": split}
@@ -193,7 +227,9 @@ class Run:
         return out
 
     def close(self) -> None:
-        """Close the store, the logger and the local env."""
+        """Close the store, the logger, the local env and the vLLM engine."""
+        if self._engine is not None:
+            self._engine.close()
         if self._signal_env is not None:
             self._signal_env.close()
         self.store.close()

@@ -185,4 +185,8 @@ def make_pool(env_name: str, env_params: dict[str, Any], size: int, backend: str
         return ThreadEnvPool(env_name, env_params, size)
     if backend == "process":
         return ProcessEnvPool(env_name, env_params, size)
+    if backend == "ray":
+        from agentevo.rollout.ray_pool import RayEnvPool
+
+        return RayEnvPool(env_name, env_params, size)
     raise ValueError(f"unknown worker backend {backend!r}")

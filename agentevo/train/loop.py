@@ -14,14 +14,20 @@ import torch
 
 from agentevo.config import OptimConfig
 from agentevo.data.tensors import StepSample, collate
+from agentevo.errors import ConfigError
 from agentevo.train.tracking import MetricsLogger
 
 LossFn = Callable[[Any, dict[str, Any]], tuple[torch.Tensor, dict[str, float]]]
 
 
-def _schedule(step: int, total: int, warmup: int) -> float:
+SCHEDULES = ("cosine", "constant")
+
+
+def _schedule(step: int, total: int, warmup: int, kind: str = "cosine") -> float:
     if step < warmup:
         return (step + 1) / max(1, warmup)
+    if kind == "constant":  # constant-with-warmup (ETO's DPO stage)
+        return 1.0
     progress = (step - warmup) / max(1, total - warmup)
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
@@ -38,6 +44,52 @@ def plan_micro_batches(n_samples: int, cfg: OptimConfig, seed: int) -> list[list
         rng.shuffle(epoch)
         order.extend(epoch)
     return [order[i * cfg.micro_batch_size : (i + 1) * cfg.micro_batch_size] for i in range(n_micro)]
+
+
+def rank_micro_batches(n_micro: int, accum: int, world: int, rank: int, start_step: int = 0) -> list[int]:
+    """The plan's micro-batch indices that process `rank` of `world` runs, from optimiser step start_step on.
+
+    Each optimiser step's accum micro-batches are dealt out round-robin, accum / world to each process; every
+    process averages its share and DDP averages over processes, so the step's gradient is the mean over the same
+    accum micro-batches as in one process, and N processes follow the single-process loss curve.
+    """
+    if accum % world:
+        raise ConfigError(
+            f"optim.batch_size / optim.micro_batch_size = {accum} micro-batches per optimiser step cannot be "
+            f"shared by {world} processes; choose optim.micro_batch_size so that this ratio is a multiple of {world}"
+        )
+    return list(range(start_step * accum + rank, n_micro, world))
+
+
+def _set_checkpointing(model: Any, on: bool) -> None:
+    """Activation checkpointing on or off, under the name this transformers version uses (v5 renamed it)."""
+    if on:
+        kwargs = {"use_reentrant": False}  # non-reentrant: works with frozen inputs (LoRA) without extra hooks
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    else:
+        disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+        disable()
+
+
+def _save_final(accelerator: Any, model: Any, tokenizer: Any, path: Path) -> None:
+    """save_pretrained of the whole model from any layout (DDP, FSDP, DeepSpeed): gathered, written by rank 0."""
+    state = accelerator.get_state_dict(model)  # every rank takes part: FSDP / ZeRO-3 gather their shards here
+    if accelerator.is_main_process:
+        tmp = path.with_name(path.name + ".tmp")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if path.exists():
+            shutil.rmtree(path)
+        tmp.rename(path)
+    accelerator.wait_for_everyone()
 
 
 def _save_state(ckpt: Path, model: Any, tokenizer: Any, optimizer: Any, step: int, extra: dict[str, Any]) -> None:
@@ -88,61 +140,108 @@ def train(
     phase: str = "train",
     tokenizer: Any = None,
     on_step: Callable[[int, int, dict[str, float]], None] | None = None,
+    collate_fn: Callable[[list[Any], int], dict[str, Any]] = collate,
+    schedule: str = "cosine",
+    gradient_checkpointing: bool = False,
+    mixed_precision: str | None = None,
+    save_to: str | Path | None = None,
 ) -> dict[str, float]:
     """Optimise loss_fn over the samples for cfg.epochs; resumes from work_dir/last if a run was interrupted.
 
+    `collate_fn` turns a micro-batch of samples into tensors (default: StepSample rows; DPO passes pairs);
+    `schedule` is the learning-rate shape after warmup: "cosine" or "constant".
+    Under `accelerate launch` each process runs its share of every optimiser step's micro-batches
+    (rank_micro_batches); logged values are means over the whole step, identical on every rank, and only rank 0
+    writes logs and checkpoints. `gradient_checkpointing` trades compute for activation memory; `mixed_precision`
+    ("no", "bf16", "fp16"; None = accelerate's config / environment) is passed to the Accelerator; `save_to` writes
+    the trained model as a save_pretrained folder gathered from any layout (needed under FSDP / ZeRO-3, where the
+    caller's model object holds only this rank's shard).
     Returns the mean of each logged statistic over the last 10% of optimiser steps.
     """
-    from accelerate import Accelerator
+    from accelerate import Accelerator, PartialState
+    from accelerate.utils import DistributedType, GradientAccumulationPlugin
 
     if not samples:
         raise ValueError(f"{phase}: no training samples")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown learning-rate schedule {schedule!r}; choose one of {SCHEDULES}")
     work_dir = Path(work_dir)
     accum = cfg.batch_size // cfg.micro_batch_size
-    accelerator = Accelerator(gradient_accumulation_steps=accum, cpu=not torch.cuda.is_available())
+    cpu = not torch.cuda.is_available()
+    world = PartialState(cpu=cpu).num_processes
+    rank_micro_batches(accum, accum, world, 0)  # fail before any work when the step cannot be shared
+    kwargs: dict[str, Any] = {} if mixed_precision is None else {"mixed_precision": mixed_precision}
+    # An explicit plugin: ACCELERATE_GRADIENT_ACCUMULATION_STEPS from a launcher config must not override the split.
+    accelerator = Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=accum // world),
+                              cpu=cpu, **kwargs)
     plan = plan_micro_batches(len(samples), cfg, seed)
     total_steps = len(plan) // accum
     warmup = int(cfg.warmup_ratio * total_steps)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _schedule(s, total_steps, warmup))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _schedule(s, total_steps, warmup, schedule))
     start_step = 0
     last = work_dir / "last"
     if last.exists():
         start_step = _load_state(last, model, optimizer)
         scheduler.last_epoch = start_step
         for group, base_lr in zip(optimizer.param_groups, scheduler.base_lrs, strict=True):
-            group["lr"] = base_lr * _schedule(start_step, total_steps, warmup)
+            group["lr"] = base_lr * _schedule(start_step, total_steps, warmup, schedule)
+    if gradient_checkpointing:
+        _set_checkpointing(model, True)
     model, optimizer = accelerator.prepare(model, optimizer)
+    # Sharded layouts keep optimiser state per rank; the single-file resume checkpoint covers DDP and one process.
+    resumable = accelerator.distributed_type not in (DistributedType.FSDP, DistributedType.DEEPSPEED)
     model.train()
     history: list[dict[str, float]] = []
     step = start_step
-    for micro_index in range(start_step * accum, len(plan)):
-        batch = collate([samples[i] for i in plan[micro_index]], pad_id)
+    local_accum = accum // world
+    step_losses: list[float] = []
+    step_stats: list[dict[str, float]] = []
+    for micro_index in rank_micro_batches(len(plan), accum, world, accelerator.process_index, start_step):
+        batch = collate_fn([samples[i] for i in plan[micro_index]], pad_id)
         batch = {k: v.to(accelerator.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         with accelerator.accumulate(model):
             loss, stats = loss_fn(model, batch)
             accelerator.backward(loss)
             grad_norm = 0.0
             if accelerator.sync_gradients and cfg.grad_clip > 0:
-                grad_norm = float(accelerator.clip_grad_norm_(params, cfg.grad_clip))
+                # the wrapped model's parameters: under FSDP the original tensors are no longer the ones trained
+                norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                grad_norm = float("nan") if norm is None else float(norm)  # DeepSpeed clips inside its step
             optimizer.step()
             if accelerator.sync_gradients:
                 scheduler.step()
             optimizer.zero_grad()
-        if (micro_index + 1) % accum:
+        step_losses.append(float(loss.detach()))
+        step_stats.append(stats)
+        if len(step_losses) < local_accum:
             continue
         step += 1
-        record = {"loss": float(loss.detach()), "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0], **stats}
+        # means over all of the step's micro-batches, summed across processes: the same record on every rank
+        keys = list(step_stats[0])
+        sums = torch.tensor([sum(step_losses)] + [sum(float(s[k]) for s in step_stats) for k in keys],
+                            dtype=torch.float64, device=accelerator.device)
+        means = (accelerator.reduce(sums, reduction="sum") / accum).tolist()
+        step_losses, step_stats = [], []
+        record = {"loss": means[0], "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0],
+                  **dict(zip(keys, means[1:], strict=True))}
         history.append(record)
-        if logger is not None:
+        if logger is not None and accelerator.is_main_process:
             logger.log(phase, step, record)
         if on_step is not None:
             on_step(step, total_steps, record)
-        if cfg.save_every and step % cfg.save_every == 0 and step < total_steps:
-            _save_state(last, accelerator.unwrap_model(model), tokenizer, optimizer, step, {"total": total_steps})
+        if resumable and cfg.save_every and step % cfg.save_every == 0 and step < total_steps:
+            if accelerator.is_main_process:
+                _save_state(last, accelerator.unwrap_model(model), tokenizer, optimizer, step, {"total": total_steps})
+            accelerator.wait_for_everyone()
     model.eval()
-    if last.exists():
+    if gradient_checkpointing:
+        _set_checkpointing(accelerator.unwrap_model(model), False)
+    if save_to is not None:
+        _save_final(accelerator, model, tokenizer, Path(save_to))
+    if accelerator.is_main_process and last.exists():
         shutil.rmtree(last)
+    accelerator.wait_for_everyone()
     tail = history[-max(1, len(history) // 10) :] if history else []
     return {k: sum(r[k] for r in tail) / len(tail) for k in (tail[0] if tail else {})}

@@ -1,0 +1,146 @@
+"""Training under `accelerate launch`: 2 CPU processes (gloo) follow the single-process loss curve."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from agentevo.errors import ConfigError
+from agentevo.train.loop import rank_micro_batches
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Trains the model saved in argv[1] twice (full fine-tuning; LoRA with gradient checkpointing) and writes what
+# every rank saw to argv[2]/rank<k>.json. Run as one process, or under `accelerate launch --num_processes 2 --cpu`.
+SCRIPT = r'''
+import json, sys
+from pathlib import Path
+
+import torch
+from accelerate import PartialState
+
+from agentevo.agent.prompt import expert_reply, parse_action
+from agentevo.algorithms.bc import nll_loss
+from agentevo.config import OptimConfig
+from agentevo.data.tensors import trajectory_samples
+from agentevo.data.types import Step, Trajectory
+from agentevo.envs.base import Task
+from agentevo.models.backend import TransformersPolicy, load_pretrained
+
+torch.set_num_threads(1)
+init, out = Path(sys.argv[1]), Path(sys.argv[2])
+state = PartialState(cpu=True)
+
+
+def samples(policy):
+    r, rows = policy.renderer, []
+    for k in range(8):
+        task = Task("twx-cookingworld", f"t{k}", "train", "cookingworld", {}, 20)
+        actions = ["take knife", "open fridge", "slice carrot"][: 1 + k % 3]
+        steps = [Step(t, f"obs {k} {t}", expert_reply(a), r.encode_reply(expert_reply(a)), None, parse_action(a),
+                      "next", 0.0, False) for t, a in enumerate(actions, start=1)]
+        rows.extend(trajectory_samples(r, Trajectory(task, "expert", "expert", "Instr.", steps, 1.0, True, goal="g"),
+                                       k, 10, 1024))
+    return rows
+
+
+from agentevo.train.loop import train  # noqa: E402
+
+cfg = OptimConfig(lr=5e-3, epochs=3, batch_size=4, micro_batch_size=1, warmup_ratio=0.1, save_every=0)
+result = {"world": state.num_processes, "rank": state.process_index}
+for mode in ("full", "lora"):
+    model, tok = load_pretrained(init)
+    policy = TransformersPolicy(model, tok, "init")
+    rows = samples(policy)
+    if mode == "lora":
+        from peft import LoraConfig, get_peft_model
+        torch.manual_seed(1)  # the adapters' random init must not depend on what ran before in this process
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                 task_type="CAUSAL_LM"))
+    losses = []
+    train(model, rows, nll_loss, cfg, policy.pad_id, out / f"work-{mode}", seed=0, tokenizer=tok,
+          on_step=lambda s, n, rec: losses.append([rec["loss"], rec["grad_norm"], rec["tokens"]]),
+          gradient_checkpointing=(mode == "lora"), save_to=out / f"final-{mode}")
+    result[mode] = losses
+    result[mode + "_checksum"] = float(sum(p.detach().double().sum() for p in model.parameters()))
+(out / f"rank{state.process_index}.json").write_text(json.dumps(result))
+'''
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))}
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    return env
+
+
+def test_rank_micro_batches_deal_each_step_round_robin() -> None:
+    # 3 optimiser steps of 4 micro-batches over 2 processes: each runs 2 of every step's 4
+    assert rank_micro_batches(12, 4, 2, 0) == [0, 2, 4, 6, 8, 10]
+    assert rank_micro_batches(12, 4, 2, 1) == [1, 3, 5, 7, 9, 11]
+    assert rank_micro_batches(12, 4, 2, 1, start_step=2) == [9, 11]  # resumed after step 2
+    assert rank_micro_batches(12, 4, 1, 0, start_step=1) == list(range(4, 12))
+    with pytest.raises(ConfigError, match="4 micro-batches per optimiser step cannot be shared by 3 processes"):
+        rank_micro_batches(12, 4, 3, 0)
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3"])
+def test_accelerate_configs_parse(name: str) -> None:
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    cfg = load_config_from_file(str(REPO / "configs" / "accelerate" / f"{name}.yaml"))
+    assert cfg.mixed_precision == "bf16" and cfg.num_processes == 8
+    expected = {"ddp": "MULTI_GPU", "fsdp": "FSDP"}.get(name, "DEEPSPEED")
+    assert str(cfg.distributed_type).endswith(expected)
+    if name.startswith("deepspeed"):
+        assert "gradient_accumulation_steps" not in cfg.deepspeed_config  # the loop sets it
+        assert cfg.deepspeed_config["gradient_clipping"] == 1.0  # = optim.grad_clip's default
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_follow_the_single_process_loss_curve(tiny_policy, tmp_path) -> None:  # noqa: ANN001
+    """`accelerate launch --num_processes 2` with the DDP config, on CPUs: same losses, gradients and weights."""
+    tiny_policy.save(tmp_path / "init")
+    script = tmp_path / "train_script.py"
+    script.write_text(SCRIPT)
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    subprocess.run([sys.executable, str(script), str(tmp_path / "init"), str(one)], check=True, env=_env(),
+                   cwd=REPO, timeout=600)
+    # With the DDP config, accelerate starts the processes through torchrun; on a machine without GPUs the loop's
+    # Accelerator(cpu=True) then joins them over gloo. (`--cpu` alone would start one process unless mpirun is used.)
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+              str(REPO / "configs" / "accelerate" / "ddp.yaml"), "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(_free_port()), "--num_cpu_threads_per_process", "1",
+              str(script), str(tmp_path / "init"), str(two)]
+    subprocess.run(launch, check=True, env=_env(), cwd=REPO, timeout=600)
+    single = json.loads((one / "rank0.json").read_text())
+    ranks = [json.loads((two / f"rank{k}.json").read_text()) for k in (0, 1)]
+    assert single["world"] == 1 and [r["world"] for r in ranks] == [2, 2]
+    for mode in ("full", "lora"):
+        ref = torch.tensor(single[mode], dtype=torch.float64)
+        assert len(ref) == 6  # 8 trajectories -> 24 micro-batches of 1 (3 epochs) -> 6 steps of 4
+        assert ref[-1, 0] < ref[0, 0]  # it learned
+        for r in ranks:  # every rank logs the same step means, equal to the single process's
+            got = torch.tensor(r[mode], dtype=torch.float64)
+            assert torch.allclose(got, ref, rtol=1e-4, atol=1e-5), (mode, got, ref)
+            assert r[mode + "_checksum"] == pytest.approx(single[mode + "_checksum"], rel=1e-5)
+        # save_to wrote one folder, from rank 0, that loads back as a normal model
+        assert (two / f"final-{mode}").is_dir() and not (two / f"final-{mode}.tmp").exists()
+    from agentevo.models.backend import load_pretrained
+
+    model, _ = load_pretrained(two / "final-full")
+    assert float(sum(p.detach().double().sum() for p in model.parameters())) == pytest.approx(
+        ranks[0]["full_checksum"], rel=1e-5)
