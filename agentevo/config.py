@@ -264,6 +264,12 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             raise ConfigError(f"{where} must be an integer (got {value!r})")
         return value
     if tp is float:
+        if isinstance(value, str):
+            # PyYAML reads 1e-3 (no dot) as a string; accept any numeric string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where} must be a number (got {value!r})")
         return float(value)

@@ -57,8 +57,9 @@ def test_overrides_yaml_and_round_trip(tmp_path) -> None:  # noqa: ANN001
         parse_overrides(["novalue"])
     path = tmp_path / "c.yaml"
     path.write_text("env:\n  name: twx-twc\n  n_test: 7\noptim:\n  lr: 0.01\n")
-    cfg = load_config(path, ["optim.epochs=2", "env.params.max_steps=9"])
+    cfg = load_config(path, ["optim.epochs=2", "env.params.max_steps=9", "optim.weight_decay=1e-3"])
     assert (cfg.env.name, cfg.env.n_test, cfg.optim.lr, cfg.optim.epochs) == ("twx-twc", 7, 0.01, 2.0)
+    assert cfg.optim.weight_decay == 0.001  # YAML reads 1e-3 as a string; numbers in that form are accepted
     assert cfg.env.params == {"max_steps": 9}
     again = tmp_path / "again.yaml"
     again.write_text(dump_config(cfg))
