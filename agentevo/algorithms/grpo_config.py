@@ -1,4 +1,7 @@
-"""GRPO and Self-Guide configuration (methods-spec sections 3.2-3.4 and 5)."""
+"""GRPO and Self-Guide configuration (methods-spec sections 3.2-3.4 and 5).
+
+Every field carries its provenance tag: [S] paper, [P:x] public source, [O] our choice, [I] inferred.
+"""
 
 from __future__ import annotations
 
@@ -7,26 +10,140 @@ from dataclasses import dataclass
 from agentevo.errors import ConfigError
 from agentevo.options import option
 
+ALGOS = ("grpo", "dapo")
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+PENALTY_MODES = ("return", "step")
+PENALTY_SIGNALS = ("format", "invalid", "repeat")
+GUIDE_MODES = ("none", "infer_only", "train")  # spec's "off" is "none": YAML 1.1 reads a bare off as false
+SCHEDULES = ("staged", "constant", "none")
+HISTORY_GUIDES = ("staged", "none", "last", "all")
+GUIDE_TOKENS_ADV = ("env", "combined")
+INT_NORMS = ("group", "none")
+GUIDE_POSITIONS = ("before", "after")
+
+
+def _choice(section: str, name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{section}.{name} must be one of {', '.join(allowed)} (got {value!r})")
+
 
 @dataclass
 class GRPOConfig:
-    """GRPO for multi-turn agents (and its DAPO variant)."""
+    """GRPO for multi-turn agents (and its DAPO variant): G trajectories per task, outcome advantages."""
 
-    group_size: int = option("trajectories per task G [O: 8]", 8)
-    eps_low: float = option("lower clip [P:DAPO 0.2]", 0.2)
-    eps_high: float = option("upper clip [GRPO 0.2; DAPO 0.28]", 0.2)
+    algo: str = option("'grpo' (symmetric clip) or 'dapo' (clip-higher + drop all-equal groups) [P:DAPO]", "grpo")
+    n_updates: int = option("policy updates K_tot (one rollout batch each) [O]", 20)
+    tasks_per_update: int = option("training tasks per update, taken in order and cycling [O: 16]", 16)
+    group_size: int = option("trajectories per task G [O: 8, RSD's GRPO baseline / verl-agent]", 8)
+    temperature: float = option("rollout sampling temperature [O: 1.0, verl-agent]", 1.0)
+    top_p: float = option("rollout nucleus sampling [O: 1.0]", 1.0)
+    eps_low: float = option("lower clip eps_low [P:DAPO 0.2]", 0.2)
+    eps_high: float | None = option("upper clip eps_high; null = 0.2 for grpo, 0.28 for dapo [P:DAPO]", None)
+    drop_equal_groups: bool | None = option(
+        "drop groups whose rewards are all equal (DAPO dynamic sampling, no refill); null = true for dapo only", None)
+    beta_kl: float = option("weight of the k3 KL to the reference (the BC policy) [O: 0.01]", 0.01)
+    loss_agg: str = option("loss aggregation: token-mean | seq-mean-token-mean | seq-mean-token-sum [P:DAPO token-mean]",
+                           "token-mean")
+    lr: float = option("policy learning rate, constant [O: 1e-6 full FT of a 7B model; raise it for the tiny one]", 1e-6)
+    ppo_epochs: int = option("passes over each rollout batch (1 = strictly on-policy, ratio 1 at the first step) [O]", 1)
+    batch_size: int = option("samples (training rows) per optimiser step [O]", 16)
+    micro_batch_size: int = option("samples per forward/backward [O]", 8)
+    grad_clip: float = option("gradient-norm clip (0 = off) [O]", 1.0)
+    adv_eps: float = option("epsilon in (R - mean)/(std + eps) [O]", 1e-6)
+    invalid_penalty: float = option(
+        "invalid-action penalty coefficient (0 = off) [P:verl-agent invalid_action_penalty_coef 0.1]", 0.0)
+    penalty_mode: str = option(
+        "'return': subtract coef x flagged steps from R before group normalisation; 'step': subtract coef from the "
+        "advantage of the flagged step only [O]", "return")
+    penalty_signals: list[str] = option("step signals that count as invalid actions [O]",
+                                        factory=lambda: ["format", "invalid"])
+    eval_every: int = option("evaluate (greedy, eval.splits) every this many updates and after the last [O]", 5)
+    log_entropy: bool = option("log the policy's token entropy on reply tokens (a full-vocabulary pass) [O]", True)
+
+    @property
+    def clip_high(self) -> float:
+        """eps_high resolved by algo."""
+        if self.eps_high is not None:
+            return self.eps_high
+        return 0.28 if self.algo == "dapo" else 0.2
+
+    @property
+    def drop_groups(self) -> bool:
+        """Whether all-equal groups are dropped, resolved by algo."""
+        if self.drop_equal_groups is not None:
+            return self.drop_equal_groups
+        return self.algo == "dapo"
 
     def validate(self) -> None:
+        _choice("grpo", "algo", self.algo, ALGOS)
+        _choice("grpo", "loss_agg", self.loss_agg, LOSS_AGGS)
+        _choice("grpo", "penalty_mode", self.penalty_mode, PENALTY_MODES)
+        for sig in self.penalty_signals:
+            _choice("grpo", "penalty_signals[]", sig, PENALTY_SIGNALS)
         if self.group_size < 2:
             raise ConfigError(f"grpo.group_size must be >= 2 for group-normalised advantages (got {self.group_size})")
+        for name in ("n_updates", "tasks_per_update", "ppo_epochs", "eval_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"grpo.{name} must be >= 1 (got {getattr(self, name)})")
+        if not 0 <= self.eps_low < 1:
+            raise ConfigError(f"grpo.eps_low must be in [0, 1) (got {self.eps_low})")
+        if self.clip_high < 0:
+            raise ConfigError(f"grpo.eps_high must be >= 0 (got {self.eps_high})")
+        if self.temperature <= 0:
+            raise ConfigError(f"grpo.temperature must be > 0: GRPO needs sampled, diverse groups (got {self.temperature})")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"grpo.top_p must be in (0, 1] (got {self.top_p})")
+        if self.beta_kl < 0 or self.invalid_penalty < 0:
+            raise ConfigError("grpo.beta_kl and grpo.invalid_penalty must be >= 0")
+        if self.lr <= 0:
+            raise ConfigError(f"grpo.lr must be > 0 (got {self.lr})")
+        if self.micro_batch_size < 1 or self.batch_size < self.micro_batch_size or self.batch_size % self.micro_batch_size:
+            raise ConfigError(
+                f"grpo.batch_size ({self.batch_size}) must be a positive multiple of grpo.micro_batch_size "
+                f"({self.micro_batch_size})")
 
 
 @dataclass
 class SelfGuideConfig:
-    """Self-Guide on top of GRPO."""
+    """Self-Guide on top of GRPO (methods-spec section 3; the method section is not public, hence mostly [I]/[O])."""
 
+    guide: str = option(
+        "'none' (the spec's off): no guide line (env-only GRPO from the same demos); 'infer_only': guide-BC warm "
+        "start and evaluation, no RL; 'train': Self-Guide + GRPO [I]", "train")
     lambda_max: float = option("maximum trust weight of the internal advantage [O: 0.5]", 0.5)
+    schedule: str = option("trust schedule of lambda: staged | constant (lambda_max from update 1) | none (lambda=0) [I]",
+                           "staged")
+    breakpoints: tuple[float, float] = option("stage breakpoints as fractions of the updates [O: 20% / 50%]", (0.2, 0.5))
+    gamma_int: float = option("discount of the internal return-to-go [O: 0.95]", 0.95)
+    int_norm: str = option("normalisation of the internal return: group (over all steps of the group) | none [I]",
+                           "group")
+    guide_tokens_adv: str = option("advantage of the guide tokens: env (outcome only) | combined (hacking ablation) [I]",
+                                   "env")
+    history_guides: str = option(
+        "past guides kept in the prompt's history: staged (I: none, II: last one, III: all) | none | last | all [I]",
+        "staged")
+    guide_position: str = option("'before' the Thought (steers the action) | 'after' the Action (reward without "
+                                 "conditioning ablation) [I]", "before")
+    guide_max_tokens: int = option("tokens added to agent.max_new_tokens for the guide line [O: 64]", 64)
+    demo_detour_prob: float = option(
+        "guide-BC stand-in: probability that a demo step is replaced by a scripted detour (invalid or idle action) "
+        "so demos show 'bad' verdicts; detour replies are not trained on [O]", 0.15)
 
     def validate(self) -> None:
+        _choice("selfguide", "guide", self.guide, GUIDE_MODES)
+        _choice("selfguide", "schedule", self.schedule, SCHEDULES)
+        _choice("selfguide", "int_norm", self.int_norm, INT_NORMS)
+        _choice("selfguide", "guide_tokens_adv", self.guide_tokens_adv, GUIDE_TOKENS_ADV)
+        _choice("selfguide", "history_guides", self.history_guides, HISTORY_GUIDES)
+        _choice("selfguide", "guide_position", self.guide_position, GUIDE_POSITIONS)
         if self.lambda_max < 0:
             raise ConfigError(f"selfguide.lambda_max must be >= 0 (got {self.lambda_max})")
+        lo, hi = self.breakpoints
+        if not 0 <= lo <= hi <= 1:
+            raise ConfigError(f"selfguide.breakpoints must satisfy 0 <= lo <= hi <= 1 (got {self.breakpoints})")
+        if not 0 <= self.gamma_int <= 1:
+            raise ConfigError(f"selfguide.gamma_int must be in [0, 1] (got {self.gamma_int})")
+        if self.guide_max_tokens < 1:
+            raise ConfigError(f"selfguide.guide_max_tokens must be >= 1 (got {self.guide_max_tokens})")
+        if not 0 <= self.demo_detour_prob < 1:
+            raise ConfigError(f"selfguide.demo_detour_prob must be in [0, 1) (got {self.demo_detour_prob})")

@@ -1,0 +1,421 @@
+"""GRPO for multi-turn agents, and its DAPO variant (methods-spec §5 'GRPO', §3.2 'Policy loss').
+
+    A_i   = (R_i − mean_g R_g) / (std_g R_g + ε)                      one outcome advantage per trajectory,
+                                                                      broadcast to every reply token of τ_i
+    ρ_tok = π_θ(tok) / π_old(tok)                                     π_old = the behaviour log-probs stored
+                                                                      with each step (on-policy rollouts)
+    L     = −(1/N_tok) Σ min(ρ A, clip(ρ, 1−ε_low, 1+ε_high) A) + β_KL (1/N_tok) Σ KL_k3(π_θ ‖ π_ref)
+
+GRPO: ε_low = ε_high = 0.2. DAPO: ε_high = 0.28 and groups whose rewards are all equal are dropped.
+
+The recipe:
+  0. warm start: expert demos -> BC; π_0 = π_ref = the BC policy.
+  for update k = 1..K:
+  1. take the next `tasks_per_update` training tasks and play G trajectories of each with π_{k−1}
+     (temperature T, behaviour log-probs stored with every step);
+  2. R_i = final reward (optionally minus an invalid-action penalty), A_i = group-normalised R_i;
+     DAPO drops all-equal groups;
+  3. broadcast A_i to the reply tokens, compute π_ref's log-probs of the same tokens;
+  4. minimise L over the batch (ppo_epochs passes, constant lr, one AdamW state kept across updates);
+  5. checkpoint; every eval_every updates evaluate greedily (eval/update-k) with the env steps used so far.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agentevo.algorithms import losses
+from agentevo.algorithms.advantages import group_normalise
+from agentevo.algorithms.bc import warm_start
+from agentevo.algorithms.grpo_config import GRPOConfig
+from agentevo.data.tensors import StepSample, collate, trajectory_samples
+from agentevo.data.types import Step, Trajectory
+from agentevo.envs.base import Task
+from agentevo.eval.metrics import summarize
+from agentevo.models.backend import Sampling, TransformersPolicy
+from agentevo.models.policy import with_lora
+from agentevo.rollout.engine import EpisodeRequest, PolicyActor
+
+LossFn = Callable[[Any, dict[str, Any]], tuple[torch.Tensor, dict[str, float]]]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1. Groups of rollouts
+
+
+def update_tasks(tasks: Sequence[Task], k: int, n: int) -> list[Task]:
+    """The n training tasks of update k (1-based): consecutive in the fixed list, wrapping around."""
+    return [tasks[((k - 1) * n + j) % len(tasks)] for j in range(n)]
+
+
+def group_requests(tasks: Sequence[Task], group_size: int, meta: dict[str, Any] | None = None) -> list[EpisodeRequest]:
+    """G requests per task; slot = i·G + g, and meta records the group so it survives the store."""
+    return [
+        EpisodeRequest(task, i * group_size + g, meta={**(meta or {}), "group": i, "member": g})
+        for i, task in enumerate(tasks)
+        for g in range(group_size)
+    ]
+
+
+def split_groups(trajs: Sequence[Trajectory]) -> list[list[Trajectory]]:
+    """Trajectories grouped by meta['group'] (group order, members in slot order)."""
+    groups: dict[int, list[Trajectory]] = {}
+    for traj in sorted(trajs, key=lambda t: t.meta.get("slot", 0)):
+        groups.setdefault(int(traj.meta["group"]), []).append(traj)
+    return [groups[g] for g in sorted(groups)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. Outcome advantages
+
+
+def flagged(step: Step, cfg: GRPOConfig) -> bool:
+    """Whether the step counts as an invalid action for the penalty (by its signal)."""
+    return cfg.invalid_penalty > 0 and step.signal in cfg.penalty_signals
+
+
+def group_returns(group: Sequence[Trajectory], cfg: GRPOConfig) -> torch.Tensor:
+    """R_i per trajectory; in penalty_mode 'return' minus coef x the number of flagged steps [P:verl-agent]."""
+    out = []
+    for traj in group:
+        r = traj.final_reward
+        if cfg.penalty_mode == "return":
+            r -= cfg.invalid_penalty * sum(flagged(s, cfg) for s in traj.steps)
+        out.append(r)
+    return torch.tensor(out, dtype=torch.float32)
+
+
+def outcome_advantages(returns: torch.Tensor, cfg: GRPOConfig) -> torch.Tensor | None:
+    """Group-normalised advantages of one group, or None when DAPO drops it (all rewards equal)."""
+    if cfg.drop_groups and bool((returns == returns[0]).all()):
+        return None
+    # All-equal groups under plain GRPO get zeros (group_normalise), i.e. only the KL term acts on them.
+    return group_normalise(returns, eps=cfg.adv_eps)
+
+
+def step_penalties(traj: Trajectory, cfg: GRPOConfig) -> list[float]:
+    """Per-step advantage offsets: −coef on flagged steps in penalty_mode 'step', else zeros."""
+    if cfg.penalty_mode != "step":
+        return [0.0] * traj.length
+    return [-cfg.invalid_penalty if flagged(s, cfg) else 0.0 for s in traj.steps]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. Training rows with per-token advantages, behaviour and reference log-probs
+
+
+def label_sample(sample: StepSample, token_adv: dict[int, list[float]]) -> StepSample:
+    """Attach per-token advantages (by step t) and the behaviour log-probs (π_old) to a training row."""
+    if sample.behaviour_logprobs is None:
+        raise ValueError("GRPO trains on the policy's own rollouts: every step needs its behaviour log-probs")
+    adv: list[float] = []
+    for (start, end), t in zip(sample.spans, sample.steps, strict=True):
+        values = token_adv[t]
+        if len(values) != end - start:
+            raise ValueError(f"step {t}: {len(values)} advantages for a reply of {end - start} tokens")
+        adv.extend(values)
+    sample.token_labels["adv"] = adv
+    sample.token_labels["old_logp"] = list(sample.behaviour_logprobs)
+    return sample
+
+
+def outcome_samples(renderer: Any, traj: Trajectory, traj_index: int, a_env: float, cfg: GRPOConfig, window: int,
+                    max_length: int) -> list[StepSample]:
+    """GRPO rows of one trajectory: A_i (+ step penalty) on every reply token."""
+    offsets = step_penalties(traj, cfg)
+    token_adv = {s.t: [a_env + offsets[s.t - 1]] * len(s.action_ids) for s in traj.steps}
+    return [label_sample(s, token_adv) for s in trajectory_samples(renderer, traj, traj_index, window, max_length)]
+
+
+@torch.no_grad()
+def add_ref_logprobs(ref_model: Any, samples: list[StepSample], pad_id: int, micro_batch_size: int) -> None:
+    """token_labels['ref_logp']: π_ref's log-prob of every reply token (computed once per update)."""
+    from agentevo.data.tensors import reply_logprobs
+
+    ref_model.eval()
+    device = next(ref_model.parameters()).device
+    for start in range(0, len(samples), micro_batch_size):
+        chunk = samples[start : start + micro_batch_size]
+        batch = collate(chunk, pad_id)
+        logp, _ = reply_logprobs(ref_model, {k: v.to(device) for k, v in batch.items()})
+        logp = logp.cpu()
+        for row, s in enumerate(chunk):
+            s.token_labels["ref_logp"] = [v for a, b in s.spans for v in logp[row, a:b].tolist()]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 4. The loss and the policy update
+
+
+def grpo_loss(cfg: GRPOConfig) -> LossFn:
+    """Clipped-ratio objective against the behaviour log-probs plus β·k3 KL to the reference, aggregated per cfg."""
+
+    def loss_fn(model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        picked = losses.token_logprobs(logits, batch["input_ids"])
+        logp = torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)  # aligned to input positions
+        mask = batch["action_mask"]
+        pg, clip = losses.clipped_ratio_objective(logp, batch["old_logp"], batch["adv"], mask, cfg.eps_low,
+                                                  cfg.clip_high, cfg.loss_agg)
+        kl = losses.aggregate(losses.kl_k3(logp, batch["ref_logp"]), mask, cfg.loss_agg)
+        loss = pg + cfg.beta_kl * kl
+        stats = {"pg_loss": float(pg.detach()), "kl": float(kl.detach()), "tokens": float(mask.sum()),
+                 **{k: float(v) for k, v in clip.items()}}
+        if cfg.log_entropy:
+            with torch.no_grad():
+                ent = losses.token_entropy(logits[:, :-1])
+                ent = torch.cat([torch.zeros_like(ent[:, :1]), ent], dim=1)
+                stats["entropy"] = float(losses.aggregate(ent, mask, "token-mean"))
+        return loss, stats
+
+    return loss_fn
+
+
+class PolicyTrainer:
+    """The trained policy, its AdamW state kept across updates, and atomic save/restore of both."""
+
+    def __init__(self, policy: TransformersPolicy, run_cfg: Any, cfg: GRPOConfig) -> None:
+        self.policy, self.cfg = policy, cfg
+        self.lora = run_cfg.model.lora.enabled
+        self.model = with_lora(policy, run_cfg)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.params = params
+        # Constant lr, one optimiser for the whole run: RL updates are a stream, not separate fine-tunings [O].
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=run_cfg.optim.betas,
+                                           weight_decay=run_cfg.optim.weight_decay)
+
+    def update(self, samples: list[StepSample], loss_fn: LossFn, seed: int,
+               on_step: Callable[[int, dict[str, float]], None] | None = None) -> dict[str, float]:
+        """ppo_epochs shuffled passes in optimiser batches of cfg.batch_size rows; returns the mean statistics."""
+        cfg = self.cfg
+        rng = random.Random(seed)
+        device = next(self.model.parameters()).device
+        records: list[dict[str, float]] = []
+        self.model.train()
+        for _ in range(cfg.ppo_epochs):
+            order = list(range(len(samples)))
+            rng.shuffle(order)
+            for start in range(0, len(order), cfg.batch_size):
+                batch_ids = order[start : start + cfg.batch_size]
+                micro = [batch_ids[j : j + cfg.micro_batch_size] for j in range(0, len(batch_ids), cfg.micro_batch_size)]
+                self.optimizer.zero_grad()
+                acc: dict[str, float] = {}
+                for ids in micro:
+                    batch = {k: v.to(device) for k, v in collate([samples[i] for i in ids], self.policy.pad_id).items()}
+                    loss, stats = loss_fn(self.model, batch)
+                    # Micro-batches of a short last batch weigh by their share of its rows.
+                    (loss * len(ids) / len(batch_ids)).backward()
+                    for key, v in {"loss": float(loss.detach()), **stats}.items():
+                        # token counts add up over micro-batches; everything else is a row-weighted mean
+                        acc[key] = acc.get(key, 0.0) + (v if key == "tokens" else v * len(ids) / len(batch_ids))
+                acc["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)) \
+                    if cfg.grad_clip > 0 else 0.0
+                self.optimizer.step()
+                records.append(acc)
+                if on_step is not None:
+                    on_step(len(records), acc)
+        self.model.eval()
+        return {k: sum(r[k] for r in records) / len(records) for k in records[0]} if records else {}
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    def save(self, path: Path, state: dict[str, Any]) -> None:
+        """Write model (adapter when LoRA), tokenizer, optimiser and `state` to path atomically."""
+        tmp = path.with_name(path.name + ".tmp")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        self.model.save_pretrained(tmp / "model")
+        self.policy.tokenizer.save_pretrained(tmp / "model")
+        torch.save({"optimizer": self.optimizer.state_dict()}, tmp / "optimizer.pt")
+        (tmp / "state.json").write_text(json.dumps(state))
+        if path.exists():
+            old = path.with_name(path.name + ".old")
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, path)
+
+    def restore(self, path: Path) -> dict[str, Any] | None:
+        """Load weights and optimiser from a save() folder; returns its state, or None when there is none."""
+        if not (path / "state.json").exists():
+            return None
+        from safetensors.torch import load_file
+
+        if self.lora:
+            from peft import set_peft_model_state_dict
+
+            set_peft_model_state_dict(self.model, load_file(str(path / "model" / "adapter_model.safetensors")))
+        else:
+            missing, unexpected = self.model.load_state_dict(load_file(str(path / "model" / "model.safetensors")),
+                                                             strict=False)
+            if unexpected or [k for k in missing if "lm_head" not in k]:
+                raise RuntimeError(f"{path} does not match the policy (missing {missing}, unexpected {unexpected})")
+        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False)["optimizer"])
+        return json.loads((path / "state.json").read_text())
+
+    def export(self, path: Path) -> None:
+        """A plain save_pretrained folder of the current policy (LoRA merged into a copy) for `agentevo eval`."""
+        if not self.lora:
+            self.policy.save(path)
+            return
+        import copy
+
+        from agentevo.models.backend import save_pretrained_atomic
+
+        merged = copy.deepcopy(self.model).merge_and_unload()
+        save_pretrained_atomic(merged, self.policy.tokenizer, path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 5. Logging and evaluation
+
+
+def rollout_stats(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """Success, return, length, signal rates and env steps of a rollout batch (prefixed 'rollout_')."""
+    return {f"rollout_{k}": float(v) for k, v in summarize(list(trajs)).items()}
+
+
+def evaluate_with(run: Any, actor: Any, label: str, pool: Any, extra: dict[str, Any] | None = None
+                  ) -> dict[str, dict[str, Any]]:
+    """Greedy evaluation like Run.evaluate, with a given actor and env pool; `extra` is added to each split."""
+    out = {}
+    for split in run.cfg.eval.splits:
+        tasks = run.tasks(split, run.cfg.eval.n_tasks)
+        requests = [EpisodeRequest(t, k) for k, t in enumerate(tasks)]
+        trajs = run.collect(actor, requests, f"eval/{label}/{split}", f"eval {label} on {split}", pool=pool)
+        metrics = {**summarize(trajs), "task_hash": tasks.hash, "split": split, **(extra or {})}
+        run.logger.log(f"eval/{label}/{split}", 0, {k: v for k, v in metrics.items() if k != "split"})
+        out[split] = metrics
+    return out
+
+
+def plot_success_vs_env_steps(run: Any, points: list[tuple[str, dict[str, dict[str, Any]]]], name: str) -> Path | None:
+    """plots/<name>.png: held-out success against the training env steps, one line per split."""
+    rows = [(m.get("train_env_steps", 0), split, m["success_rate"]) for _, res in points for split, m in res.items()
+            if isinstance(m, dict) and "success_rate" in m]
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for split in sorted({r[1] for r in rows}):
+        pts = sorted((x, y) for x, s, y in rows if s == split)
+        ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker="o", label=split)
+    ax.set_xlabel("training env steps")
+    ax.set_ylabel("success rate (%)")
+    ax.set_title(f"{run.cfg.method}: greedy success vs env steps")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = run.dir / "plots" / f"{name}.png"
+    path.parent.mkdir(exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def eval_due(k: int, cfg: GRPOConfig) -> bool:
+    """Evaluate after every eval_every updates and after the last one."""
+    return k % cfg.eval_every == 0 or k == cfg.n_updates
+
+
+def rollout_seed(run_seed: int, k: int) -> int:
+    """The sampling seed of update k's collection (fresh per update, reproducible per run seed)."""
+    return run_seed * 1_000_003 + k * 7919
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The recipe
+
+
+def run(run: Any) -> dict[str, Any]:
+    """GRPO (or DAPO) from the BC warm start; returns the evaluation table and per-update statistics."""
+    cfg, g = run.cfg, run.cfg.grpo
+    # 0. Warm start: π_0 = π_ref = BC.
+    results: dict[str, Any] = dict(warm_start(run))
+    policy = run.load_policy("bc", policy_id="bc")
+    ref_model = run.load_policy("bc").model.eval().requires_grad_(False)
+    trainer = PolicyTrainer(policy, cfg, g)
+    latest = run.checkpoint_dir("latest")
+    done = (trainer.restore(latest) or {}).get("update", 0)
+    train_tasks = list(run.tasks("train", cfg.env.n_train))
+    window, max_len = cfg.agent.history_window, cfg.optim.max_length
+    loss_fn = grpo_loss(g)
+    eval_points: list[tuple[str, dict[str, dict[str, Any]]]] = [("bc", results["eval/bc"])]
+
+    with run.pool() as pool:
+        for k in range(1, g.n_updates + 1):
+            if k > done:
+
+                def do_update(k: int = k) -> dict[str, Any]:
+                    policy.policy_id = f"update-{k - 1}" if k > 1 else "bc"
+                    # 1. G rollouts per task with the current policy.
+                    t0 = time.perf_counter()
+                    actor = PolicyActor(policy, run.signal_env.instruction(), window,
+                                        Sampling(g.temperature, g.top_p, cfg.agent.max_new_tokens,
+                                                 seed=rollout_seed(cfg.seed, k)))
+                    requests = group_requests(update_tasks(train_tasks, k, g.tasks_per_update), g.group_size)
+                    trajs = run.collect(actor, requests, f"update-{k}/collect", f"update {k}: rollouts", pool=pool)
+                    t1 = time.perf_counter()
+                    # 2-3. Outcome advantages, broadcast to reply tokens; reference log-probs.
+                    samples: list[StepSample] = []
+                    kept = 0
+                    groups = split_groups(trajs)
+                    for group in groups:
+                        adv = outcome_advantages(group_returns(group, g), g)
+                        if adv is None:
+                            continue
+                        kept += 1
+                        for traj, a in zip(group, adv.tolist(), strict=True):
+                            samples += outcome_samples(policy.renderer, traj, len(samples), a, g, window, max_len)
+                    add_ref_logprobs(ref_model, samples, policy.pad_id, g.micro_batch_size)
+                    t2 = time.perf_counter()
+                    # 4. Policy update.
+                    with run.progress(f"update {k}: policy update") as bar:
+                        stats = trainer.update(samples, loss_fn, cfg.seed + k, lambda s, r: bar.advance())
+                    t3 = time.perf_counter()
+                    prev = run.state.get(f"update-{k - 1}", {}).get("train_env_steps", 0) if k > 1 else 0
+                    record = {
+                        **rollout_stats(trajs), **stats,
+                        "groups": len(groups), "groups_kept": kept, "samples": len(samples),
+                        "train_env_steps": prev + sum(s.parsed_action is not None for t in trajs for s in t.steps),
+                        "time_rollout_s": t1 - t0, "time_advantage_s": t2 - t1, "time_update_s": t3 - t2,
+                    }
+                    run.logger.log("grpo/update", k, record)
+                    # 5. Checkpoint (weights + optimiser), then the phase is recorded.
+                    trainer.save(latest, {"update": k, "record": record})
+                    return record
+
+                run.phase(f"update-{k}", do_update)
+            elif f"update-{k}" not in run.state:
+                # Crashed after the checkpoint but before the phase was recorded: take the record from it.
+                run.phase(f"update-{k}", lambda: json.loads((latest / "state.json").read_text())["record"])
+            if eval_due(k, g):
+                steps = run.state[f"update-{k}"]["train_env_steps"]
+
+                def do_eval(k: int = k, steps: int = steps) -> dict[str, dict[str, Any]]:
+                    trainer.export(run.checkpoint_dir(f"update-{k}"))
+                    actor = PolicyActor(policy, run.signal_env.instruction(), window,
+                                        Sampling(0.0, max_new_tokens=cfg.agent.max_new_tokens))
+                    return evaluate_with(run, actor, f"update-{k}", pool, {"train_env_steps": steps, "update": k})
+
+                results[f"eval/update-{k}"] = run.phase(f"eval/update-{k}", do_eval)
+                eval_points.append((f"update-{k}", results[f"eval/update-{k}"]))
+            results[f"update-{k}"] = run.state[f"update-{k}"]
+    plot = plot_success_vs_env_steps(run, eval_points, "success_vs_env_steps")
+    results["plots"] = [str(plot)] if plot else []
+    return results

@@ -1,0 +1,556 @@
+"""Self-Guide: a self-written guide line steers the next action and, as a verdict, becomes a step reward
+(methods-spec §3; the paper's method section is not public, so the design is the spec's [I]/[O] proposal).
+
+Each reply is
+
+    Guide: <did the last action make progress, what next> Verdict: good|neutral|bad
+    Thought: ...
+    Action: ...
+
+    r_int_{t−1}  = φ(verdict_t)  (good +1, neutral 0, bad −1; missing 0; the verdict at t=1 is ignored; r_int_T = 0)
+    G_int_{i,t}  = Σ_{t'≥t} γ_int^{t'−t} r_int_{i,t'}
+    Â_int_{i,t}  = (G_int_{i,t} − mean_{g,s} G_int) / (std_{g,s} G_int + ε)       over all steps of the group
+    A_{i,t}      = A_env_i + λ(k) · Â_int_{i,t}      on the Thought + Action tokens of step t
+    A_guide_{i,t}= A_env_i                           on the Guide tokens (outcome only: no self-reward)
+
+and the GRPO/DAPO loss of agentevo.algorithms.grpo. λ(k) follows the stage-wise trust schedule (I: λ=0, past
+guides dropped from the history; II: λ ramps to λ_max, the last past guide kept; III: λ_max, all guides kept).
+
+The recipe:
+  0. guide-BC warm start (small-scale stand-in for a model that can already write guides): expert demos whose
+     replies carry guide lines derived from the environment's score changes, with scripted detours so that
+     'bad' verdicts occur; BC on the expert steps only; π_0 = π_ref.
+  for update k = 1..K:
+  1. stage, λ(k) and the history retention of k; G rollouts per task with the guided actor;
+  2. A_env per group (DAPO drops all-equal groups); verdicts -> r_int -> G_int -> Â_int; per-token advantages
+     with the guide tokens located by token positions in the stored reply ids;
+  3-4. reference log-probs, clipped-ratio + KL update (grpo.PolicyTrainer);
+  5. verdict distribution, calibration AUCs, λ, guide length, format errors; checkpoint; periodic evaluation.
+
+Switches (selfguide.guide): 'none' (the spec's 'off') = env-only GRPO from the same demos without guide lines; 'infer_only' = the
+guide-BC model evaluated with its guides, no RL; 'train' = Self-Guide + GRPO.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from agentevo.agent.prompt import HistoryTurn, build_messages, expert_reply
+from agentevo.algorithms.advantages import (
+    discounted_returns,
+    group_normalise_steps,
+    internal_rewards_from_verdicts,
+    trust_weight,
+)
+from agentevo.algorithms.bc import _TextOnlyRenderer, nll_loss
+from agentevo.algorithms.grpo import (
+    PolicyTrainer,
+    add_ref_logprobs,
+    eval_due,
+    evaluate_with,
+    group_requests,
+    group_returns,
+    grpo_loss,
+    label_sample,
+    outcome_advantages,
+    plot_success_vs_env_steps,
+    rollout_seed,
+    rollout_stats,
+    split_groups,
+    step_penalties,
+    update_tasks,
+)
+from agentevo.algorithms.grpo_config import SelfGuideConfig
+from agentevo.data.tensors import StepSample, trajectory_samples
+from agentevo.data.types import Step, Trajectory
+from agentevo.envs.base import SIGNAL_FORMAT, SIGNAL_INVALID, SIGNAL_REPEAT
+from agentevo.models.backend import Generation, Sampling
+from agentevo.models.policy import initial_policy, tokenizer_corpus, with_lora
+from agentevo.rollout.engine import Episode, EpisodeRequest, PolicyActor
+from agentevo.train.loop import train
+
+VERDICTS = {"good": 1, "neutral": 0, "bad": -1}
+VERDICT_WORDS = {v: k for k, v in VERDICTS.items()}
+_VERDICT_RE = re.compile(r"Verdict:[ \t]*([A-Za-z]+)")
+MaskFn = Callable[[Sequence[int]], list[bool]]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The guide line: parsing and its token span
+
+
+def guide_char_span(text: str, position: str = "before") -> tuple[int, int] | None:
+    """[start, end) of the guide in a reply's text: from 'Guide:' to the Thought/Action (or the end when after)."""
+    g = text.find("Guide:")
+    if g < 0:
+        return None
+    if position == "after":
+        return g, len(text)
+    ends = [i for i in (text.find("Thought:", g), text.find("Action:", g)) if i >= 0]
+    return g, min(ends) if ends else len(text)
+
+
+def parse_guide(reply: str, position: str = "before") -> tuple[str | None, int | None]:
+    """(guide text, φ(verdict)) of a reply; (None, None) without a guide; φ is None when the verdict is unparseable."""
+    span = guide_char_span(reply, position)
+    if span is None:
+        return None, None
+    region = reply[span[0] + len("Guide:") : span[1]]
+    m = _VERDICT_RE.search(region)
+    if m is None:
+        return region.strip(), None
+    return region[: m.start()].strip(), VERDICTS.get(m.group(1).lower())
+
+
+def guide_token_mask(tokenizer: Any, ids: Sequence[int], position: str = "before") -> list[bool]:
+    """Which reply tokens are guide tokens, by token position: token j covers the characters that decoding
+    ids[:j+1] adds to ids[:j]; it is a guide token when its last character lies in the guide's span.
+
+    The stored ids are only decoded, never re-tokenized. Tokens that decode to nothing (the end-of-turn token)
+    are never guide tokens; a token straddling the boundary (e.g. '.\\n' or '\\nThought') goes to the side of
+    its last character.
+    """
+    def decode(part: Sequence[int]) -> str:
+        return tokenizer.decode(list(part), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    span = guide_char_span(decode(ids), position)
+    if span is None:
+        return [False] * len(ids)
+    g0, g1 = span
+    mask, prev = [], 0
+    for j in range(1, len(ids) + 1):
+        end = max(prev, len(decode(ids[:j])))
+        mask.append(end > prev and g0 <= end - 1 < g1)
+        prev = end
+    return mask
+
+
+def make_masker(tokenizer: Any, position: str, enabled: bool = True) -> MaskFn:
+    """A cached guide_token_mask for one tokenizer (all False when guides are off)."""
+    cache: dict[tuple[int, ...], list[bool]] = {}
+
+    def mask(ids: Sequence[int]) -> list[bool]:
+        key = tuple(ids)
+        if key not in cache:
+            cache[key] = guide_token_mask(tokenizer, key, position) if enabled else [False] * len(key)
+        return cache[key]
+
+    return mask
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stages: trust λ(k) and how many past guides the history shows
+
+
+def stage_of(step: int, total: int, breakpoints: tuple[float, float]) -> int:
+    """Stage I, II or III of training step `step` of `total` (the same breakpoints as trust_weight)."""
+    frac = step / total
+    return 1 if frac < breakpoints[0] else 2 if frac < breakpoints[1] else 3
+
+
+def guides_kept(mode: str, stage: int) -> int | None:
+    """Past guides shown in the history: 0, the last 1, or None (= all)."""
+    if mode == "staged":
+        return {1: 0, 2: 1, 3: None}[stage]
+    return {"none": 0, "last": 1, "all": None}[mode]
+
+
+def guided_history(turns: Sequence[tuple[Sequence[int], str]], mask_fn: MaskFn, keep: int | None) -> list[HistoryTurn]:
+    """History turns as the prompt shows them: a past reply older than the `keep` most recent loses its guide
+    tokens (cut by token span; the remaining stored ids are spliced in unchanged)."""
+    n = len(turns)
+    out = []
+    for j, (ids, next_obs) in enumerate(turns):
+        age = n - j  # 1 = the previous turn
+        if keep is None or age <= keep:
+            out.append(HistoryTurn(list(ids), next_obs))
+        else:
+            out.append(HistoryTurn([i for i, m in zip(ids, mask_fn(ids), strict=True) if not m], next_obs))
+    return out
+
+
+class GuidedActor(PolicyActor):
+    """A policy actor whose prompts keep only the configured number of past guides."""
+
+    def __init__(self, policy: Any, instruction: str, window: int, sampling: Sampling, keep: int | None,
+                 mask_fn: MaskFn, source: str = "self") -> None:
+        super().__init__(policy, instruction, window, sampling, source)
+        self.keep, self.mask_fn = keep, mask_fn
+
+    def prompt_ids(self, ep: Episode) -> list[int]:
+        history = guided_history([(h.action_ids, h.next_obs) for h in ep.history], self.mask_fn, self.keep)
+        messages = build_messages(self.instruction, ep.goal, ep.first_obs, history, self.window, prefix=ep.request.prefix)
+        return self.policy.renderer.render(messages, add_generation_prompt=True).ids
+
+
+def guided_samples(renderer: Any, traj: Trajectory, traj_index: int, window: int, max_length: int, keep: int | None,
+                   mask_fn: MaskFn, steps: list[int] | None = None) -> list[StepSample]:
+    """Training rows whose prompts are rebuilt exactly as the guided actor built them.
+
+    With every guide kept the prompts are prefixes of each other and rows are packed (trajectory_samples);
+    otherwise the history changes between steps (guides get cut) and each step is its own row.
+    """
+    if keep is None:
+        return trajectory_samples(renderer, traj, traj_index, window, max_length, steps=steps)
+    prefix = str(traj.meta.get("prefix", ""))
+    out = []
+    for step in traj.steps:
+        if steps is not None and step.t not in steps:
+            continue
+        history = guided_history([(s.action_ids, s.next_obs) for s in traj.steps[: step.t - 1]], mask_fn, keep)
+        messages = build_messages(traj.instruction, traj.goal, traj.first_obs, history, window, prefix=prefix)
+        prompt = renderer.render(messages, add_generation_prompt=True).ids
+        room = max_length - len(step.action_ids)
+        if room < 1:
+            raise ValueError(f"a reply of {len(step.action_ids)} tokens does not fit optim.max_length={max_length}")
+        prompt = prompt[-room:]
+        out.append(StepSample(prompt + list(step.action_ids), [(len(prompt), len(prompt) + len(step.action_ids))],
+                              traj_index, [step.t], behaviour_logprobs=step.logprobs))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Advantages
+
+
+def internal_advantages(group_verdicts: Sequence[Sequence[int | None]], gamma_int: float, norm: str,
+                        eps: float = 1e-6) -> list[torch.Tensor]:
+    """Â_int per trajectory of a group: verdicts -> r_int (shifted to the previous step) -> G_int -> normalised."""
+    returns = [discounted_returns(internal_rewards_from_verdicts(v), gamma_int) for v in group_verdicts]
+    return group_normalise_steps(returns, eps=eps) if norm == "group" else returns
+
+
+def token_advantages(masks: Sequence[Sequence[bool]], a_env: float, step_terms: Sequence[float],
+                     guide_adv: str = "env") -> dict[int, list[float]]:
+    """t -> advantage of each reply token: A_env + step term on Thought/Action tokens; A_env on guide tokens
+    ('env'), or the combined value there too ('combined', the self-reward-hacking ablation)."""
+    out = {}
+    for t, (mask, term) in enumerate(zip(masks, step_terms, strict=True), start=1):
+        combined = a_env + term
+        on_guide = a_env if guide_adv == "env" else combined
+        out[t] = [on_guide if m else combined for m in mask]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Logging: verdict distribution and calibration
+
+
+def auc(scores: Sequence[float], labels: Sequence[bool]) -> float | None:
+    """Area under the ROC curve (Mann-Whitney, ties count 1/2); None when one class is empty."""
+    pos = [s for s, y in zip(scores, labels, strict=True) if y]
+    neg = [s for s, y in zip(scores, labels, strict=True) if not y]
+    if not pos or not neg:
+        return None
+    wins = sum(1.0 if p > n else 0.5 if p == n else 0.0 for p in pos for n in neg)
+    return wins / (len(pos) * len(neg))
+
+
+def score_delta(steps: Sequence[Step], t: int) -> float:
+    """Score change caused by step t (1-based)."""
+    return steps[t - 1].score - (steps[t - 2].score if t >= 2 else 0.0)
+
+
+def guide_stats(trajs: Sequence[Trajectory], position: str, mask_fn: MaskFn) -> dict[str, float | None]:
+    """Verdict distribution (t >= 2), calibration AUCs, guide presence, format errors and length."""
+    verdicts, on_success, progress = [], [], []
+    n_steps = missing = no_guide = 0
+    lengths = []
+    for traj in trajs:
+        for s in traj.steps:
+            n_steps += 1
+            text, v = parse_guide(s.action_text, position)
+            no_guide += text is None
+            missing += v is None
+            lengths.append(sum(mask_fn(s.action_ids)))
+            if s.t >= 2:  # the verdict at t judges step t−1
+                verdicts.append(v)
+                on_success.append(traj.success)
+                progress.append(score_delta(traj.steps, s.t - 1) > 0)
+    n_v = max(1, len(verdicts))
+    phi = [0 if v is None else v for v in verdicts]
+    return {
+        "verdict_good": sum(v == 1 for v in verdicts) / n_v,
+        "verdict_neutral": sum(v == 0 for v in verdicts) / n_v,
+        "verdict_bad": sum(v == -1 for v in verdicts) / n_v,
+        "verdict_missing": sum(v is None for v in verdicts) / n_v,
+        "verdict_auc_success": auc(phi, on_success),
+        "verdict_auc_progress": auc(phi, progress),
+        "guide_missing_rate": no_guide / max(1, n_steps),
+        "guide_format_error_rate": missing / max(1, n_steps),
+        "guide_tokens": sum(lengths) / max(1, len(lengths)),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 0. Guide-BC warm start (small-scale stand-in)
+
+_DETOUR_STEPS = ("look around", "inventory")
+_BAD_SIGNALS = (SIGNAL_FORMAT, SIGNAL_INVALID, SIGNAL_REPEAT)
+
+
+def detour_flags(task_id: str, seed: int, n_plan: int, p: float, max_steps: int) -> list[bool]:
+    """Which demo steps are scripted detours (never two in a row; the gold plan still fits in max_steps)."""
+    rng = random.Random(f"{seed}/{task_id}")
+    flags: list[bool] = []
+    done = 0
+    while done < n_plan and len(flags) < max_steps:
+        room = max_steps - len(flags) > n_plan - done
+        if room and rng.random() < p and not (flags and flags[-1]):
+            flags.append(True)
+        else:
+            flags.append(False)
+            done += 1
+    return flags
+
+
+def oracle_verdict(steps: Sequence[Step]) -> int:
+    """The verdict on the last step from the environment: score up -> good; down, invalid, repeat, format -> bad."""
+    if not steps:
+        return 0
+    delta = score_delta(steps, len(steps))
+    if delta > 0:
+        return 1
+    if delta < 0 or steps[-1].signal in _BAD_SIGNALS:
+        return -1
+    return 0
+
+
+def guided_reply(action: str, verdict: int, first: bool, thoughts: str = "template", position: str = "before",
+                 with_guide: bool = True) -> str:
+    """A demo reply: guide line (judging the previous step, naming the next action) + Thought + Action."""
+    base = expert_reply(action, thoughts)
+    if not with_guide:
+        return base
+    judgement = "Nothing done yet." if first else {
+        1: "The last step made progress.", 0: "The last step changed nothing.", -1: "The last step failed."}[verdict]
+    if position == "after":
+        return f"{base}\nGuide: {judgement} Verdict: {VERDICT_WORDS[verdict]}"
+    return f"Guide: {judgement} Next: {action}. Verdict: {VERDICT_WORDS[verdict]}\n{base}"
+
+
+class GuidedExpertActor:
+    """Gold plan with scripted detours; replies carry oracle guide lines derived from score changes."""
+
+    source = "expert"
+    policy_id = "expert-guided"
+
+    def __init__(self, thoughts: str, detour_prob: float, seed: int, with_guide: bool, position: str) -> None:
+        self.renderer = _TextOnlyRenderer()
+        self.thoughts, self.p, self.seed = thoughts, detour_prob, seed
+        self.with_guide, self.position = with_guide, position
+
+    def act(self, episodes: list[Episode]) -> list[Generation]:
+        gens = []
+        for ep in episodes:
+            task = ep.request.task
+            flags = detour_flags(task.task_id, self.seed, len(ep.plan), self.p, task.max_steps)
+            t = len(ep.steps)
+            # Recorded in the request's meta, which the engine copies into the stored trajectory: BC skips these.
+            ep.request.meta["detours"] = [j + 1 for j, f in enumerate(flags[: t + 1]) if f]
+            if t < len(flags) and flags[t]:
+                rng = random.Random(f"{self.seed}/{task.task_id}/{t}")
+                # A repeated 'take' is a wasted, invalid step in TWX; look/inventory are idle steps.
+                takes = [ep.plan[j] for j in range(sum(not f for f in flags[:t])) if ep.plan[j].startswith("take ")]
+                # Half of the detours (when something was taken) are the wasted repeat, so 'bad' verdicts occur.
+                action = rng.choice(list(_DETOUR_STEPS) + takes[-1:] * 2)
+            else:
+                n_done = sum(not f for f in flags[:t])
+                action = ep.plan[n_done] if n_done < len(ep.plan) else "look around"
+            text = guided_reply(action, oracle_verdict(ep.steps), t == 0, self.thoughts, self.position,
+                                self.with_guide)
+            gens.append(Generation([], [], text))
+        return gens
+
+    def needs_plan(self) -> bool:
+        return True
+
+
+def demo_keeps(sg: SelfGuideConfig) -> list[int | None]:
+    """History retentions the demos cycle through, so BC sees every prompt shape RL will show."""
+    if sg.guide == "none":
+        return [None]
+    if sg.history_guides == "staged":
+        return [0, 1, None]
+    return [guides_kept(sg.history_guides, 1)]
+
+
+def guide_warm_start(run: Any) -> dict[str, Any]:
+    """Guided demos -> initial policy (checkpoints/init) -> eval -> guide-BC on expert steps (checkpoints/bc) -> eval."""
+    cfg, sg = run.cfg, run.cfg.selfguide
+    with_guide = sg.guide != "none"
+    keeps = demo_keeps(sg)
+    tasks = run.tasks("train", cfg.bc.n_expert or cfg.env.n_train)
+    actor = GuidedExpertActor(cfg.agent.thoughts, sg.demo_detour_prob, cfg.seed, with_guide, sg.guide_position)
+    requests = [EpisodeRequest(t, k, meta={"keep": keeps[k % len(keeps)]}) for k, t in enumerate(tasks)]
+
+    def collect() -> dict[str, Any]:
+        trajs = run.collect(actor, requests, "expert-guided", "guided expert demos")
+        return {"n": len(trajs), "success_rate": sum(t.success for t in trajs) / max(1, len(trajs)),
+                "mean_steps": sum(t.length for t in trajs) / max(1, len(trajs)),
+                "detours": sum(len(t.meta.get("detours", [])) for t in trajs),
+                **(guide_stats(trajs, sg.guide_position, lambda ids: []) if with_guide else {})}
+
+    results: dict[str, Any] = {"expert-guided": run.phase("expert-guided", collect)}
+    demos = run.store.load(collection="expert-guided")
+
+    def build_init() -> dict[str, Any]:
+        policy = initial_policy(cfg, tokenizer_corpus(run.signal_env.instruction(), demos))
+        policy.save(run.checkpoint_dir("init"))
+        return {"parameters": sum(p.numel() for p in policy.model.parameters()), "vocab": len(policy.tokenizer)}
+
+    results["init"] = run.phase("init", build_init)
+    keep0 = guides_kept(sg.history_guides, 1) if with_guide else None
+    results["eval/init"] = run.phase("eval/init", lambda: evaluate_guided(run, run.load_policy("init"), "init", keep0))
+
+    def do_bc() -> dict[str, Any]:
+        policy = run.load_policy("init")
+        mask_fn = make_masker(policy.tokenizer, sg.guide_position, with_guide)
+        samples: list[StepSample] = []
+        for k, traj in enumerate(demos):
+            for step in traj.steps:
+                step.action_ids = policy.renderer.encode_reply(step.action_text)
+            detours = set(traj.meta.get("detours", []))
+            expert_steps = [s.t for s in traj.steps if s.t not in detours]
+            samples += guided_samples(policy.renderer, traj, k, cfg.agent.history_window, cfg.optim.max_length,
+                                      traj.meta.get("keep"), mask_fn, steps=expert_steps)
+        model = with_lora(policy, cfg)
+        with run.progress("guide-BC training") as bar:
+            stats = train(model, samples, nll_loss, cfg.optim, policy.pad_id, run.checkpoint_dir("bc-work"), cfg.seed,
+                          run.logger, "bc/train", policy.tokenizer, bar.training_callback())
+        if cfg.model.lora.enabled:
+            policy.model = policy.model.merge_and_unload()
+        policy.policy_id = "bc"
+        policy.save(run.checkpoint_dir("bc"))
+        return {**stats, "samples": len(samples)}
+
+    results["bc"] = run.phase("bc", do_bc)
+    results["eval/bc"] = run.phase("eval/bc", lambda: evaluate_guided(run, run.load_policy("bc"), "bc", keep0))
+    return results
+
+
+def evaluate_guided(run: Any, policy: Any, label: str, keep: int | None, pool: Any = None,
+                    extra: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """Greedy evaluation with the guided actor (its guides steer its actions) at a given history retention."""
+    cfg, sg = run.cfg, run.cfg.selfguide
+    with_guide = sg.guide != "none"
+    max_new = cfg.agent.max_new_tokens + (sg.guide_max_tokens if with_guide else 0)
+    actor = GuidedActor(policy, run.signal_env.instruction(), cfg.agent.history_window, Sampling(0.0, max_new_tokens=max_new),
+                        keep, make_masker(policy.tokenizer, sg.guide_position, with_guide))
+    if pool is None:
+        with run.pool() as p:
+            out = evaluate_with(run, actor, label, p, extra)
+    else:
+        out = evaluate_with(run, actor, label, pool, extra)
+    if with_guide:
+        for split in out:
+            trajs = run.store.load(collection=f"eval/{label}/{split}")
+            out[split].update({f"eval_{k}": v for k, v in guide_stats(trajs, sg.guide_position, actor.mask_fn).items()})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The recipe
+
+
+def run(run: Any) -> dict[str, Any]:
+    """Self-Guide + GRPO (or its switches and ablations); returns evaluations and per-update statistics."""
+    cfg, g, sg = run.cfg, run.cfg.grpo, run.cfg.selfguide
+    with_guide = sg.guide != "none"
+    # 0. Guide-BC warm start: π_0 = π_ref.
+    results: dict[str, Any] = dict(guide_warm_start(run))
+    if sg.guide == "infer_only":
+        return results
+    policy = run.load_policy("bc", policy_id="bc")
+    ref_model = run.load_policy("bc").model.eval().requires_grad_(False)
+    trainer = PolicyTrainer(policy, cfg, g)
+    latest = run.checkpoint_dir("latest")
+    done = (trainer.restore(latest) or {}).get("update", 0)
+    train_tasks = list(run.tasks("train", cfg.env.n_train))
+    window, max_len = cfg.agent.history_window, cfg.optim.max_length
+    max_new = cfg.agent.max_new_tokens + (sg.guide_max_tokens if with_guide else 0)
+    mask_fn = make_masker(policy.tokenizer, sg.guide_position, with_guide)
+    loss_fn = grpo_loss(g)
+    K = g.n_updates
+    eval_points: list[tuple[str, dict[str, dict[str, Any]]]] = [("bc", results["eval/bc"])]
+
+    with run.pool() as pool:
+        for k in range(1, K + 1):
+            # 1. Stage, trust λ(k) and history retention of this update.
+            stage = stage_of(k - 1, K, sg.breakpoints)
+            lam = trust_weight(k - 1, K, sg.lambda_max, sg.breakpoints, sg.schedule) if sg.guide == "train" else 0.0
+            keep = guides_kept(sg.history_guides, stage) if with_guide else None
+            if k > done:
+
+                def do_update(k: int = k, stage: int = stage, lam: float = lam, keep: int | None = keep) -> dict[str, Any]:
+                    policy.policy_id = f"update-{k - 1}" if k > 1 else "bc"
+                    t0 = time.perf_counter()
+                    actor = GuidedActor(policy, run.signal_env.instruction(), window,
+                                        Sampling(g.temperature, g.top_p, max_new, seed=rollout_seed(cfg.seed, k)),
+                                        keep, mask_fn)
+                    requests = group_requests(update_tasks(train_tasks, k, g.tasks_per_update), g.group_size,
+                                              meta={"keep": keep, "stage": stage, "lambda": lam})
+                    trajs = run.collect(actor, requests, f"update-{k}/collect", f"update {k}: rollouts", pool=pool)
+                    t1 = time.perf_counter()
+                    # 2. A_env per group, Â_int per step, per-token advantages (guide tokens: A_env only).
+                    samples: list[StepSample] = []
+                    groups = split_groups(trajs)
+                    kept, int_abs = 0, []
+                    for group in groups:
+                        a_env = outcome_advantages(group_returns(group, g), g)
+                        if a_env is None:
+                            continue
+                        kept += 1
+                        verdicts = [[parse_guide(s.action_text, sg.guide_position)[1] for s in t.steps] for t in group]
+                        a_int = internal_advantages(verdicts, sg.gamma_int, sg.int_norm, g.adv_eps)
+                        for traj, a, ai in zip(group, a_env.tolist(), a_int, strict=True):
+                            int_abs += ai.abs().tolist()
+                            terms = [lam * x + p for x, p in zip(ai.tolist(), step_penalties(traj, g), strict=True)]
+                            token_adv = token_advantages([mask_fn(s.action_ids) for s in traj.steps], a, terms,
+                                                         sg.guide_tokens_adv)
+                            rows = guided_samples(policy.renderer, traj, len(samples), window, max_len,
+                                                  traj.meta.get("keep"), mask_fn)
+                            samples += [label_sample(r, token_adv) for r in rows]
+                    add_ref_logprobs(ref_model, samples, policy.pad_id, g.micro_batch_size)
+                    t2 = time.perf_counter()
+                    # 3-4. Clipped-ratio + KL update.
+                    with run.progress(f"update {k}: policy update") as bar:
+                        stats = trainer.update(samples, loss_fn, cfg.seed + k, lambda s, r: bar.advance())
+                    t3 = time.perf_counter()
+                    # 5. Logs of §3.4, checkpoint.
+                    prev = run.state.get(f"update-{k - 1}", {}).get("train_env_steps", 0) if k > 1 else 0
+                    record = {
+                        **rollout_stats(trajs), **stats, **(guide_stats(trajs, sg.guide_position, mask_fn) if with_guide else {}),
+                        "stage": stage, "lambda": lam, "guides_kept": -1 if keep is None else keep,
+                        "int_adv_abs_mean": sum(int_abs) / max(1, len(int_abs)),
+                        "groups": len(groups), "groups_kept": kept, "samples": len(samples),
+                        "train_env_steps": prev + sum(s.parsed_action is not None for t in trajs for s in t.steps),
+                        "time_rollout_s": t1 - t0, "time_advantage_s": t2 - t1, "time_update_s": t3 - t2,
+                    }
+                    run.logger.log("selfguide/update", k, record)
+                    trainer.save(latest, {"update": k, "record": record})
+                    return record
+
+                run.phase(f"update-{k}", do_update)
+            elif f"update-{k}" not in run.state:
+                run.phase(f"update-{k}", lambda: json.loads((latest / "state.json").read_text())["record"])
+            if eval_due(k, g):
+                steps = run.state[f"update-{k}"]["train_env_steps"]
+
+                def do_eval(k: int = k, steps: int = steps, keep: int | None = keep) -> dict[str, dict[str, Any]]:
+                    trainer.export(run.checkpoint_dir(f"update-{k}"))
+                    return evaluate_guided(run, policy, f"update-{k}", keep, pool, {"train_env_steps": steps, "update": k})
+
+                results[f"eval/update-{k}"] = run.phase(f"eval/update-{k}", do_eval)
+                eval_points.append((f"update-{k}", results[f"eval/update-{k}"]))
+            results[f"update-{k}"] = run.state[f"update-{k}"]
+    plot = plot_success_vs_env_steps(run, eval_points, "success_vs_env_steps")
+    results["plots"] = [str(plot)] if plot else []
+    return results

@@ -1,0 +1,261 @@
+"""Self-Guide: verdict parsing, guide token spans, internal returns and their alignment, the trust schedule,
+history retention, and the per-token advantage tensor (guide tokens get the outcome advantage only)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentevo.agent.prompt import HistoryTurn, parse_action
+from agentevo.algorithms.advantages import trust_weight
+from agentevo.algorithms.grpo import label_sample
+from agentevo.algorithms.selfguide import (
+    GuidedActor,
+    auc,
+    detour_flags,
+    guide_stats,
+    guide_token_mask,
+    guided_history,
+    guided_reply,
+    guided_samples,
+    guides_kept,
+    internal_advantages,
+    make_masker,
+    oracle_verdict,
+    parse_guide,
+    stage_of,
+    token_advantages,
+)
+from agentevo.data.tensors import collate
+from agentevo.data.types import Step, Trajectory
+from agentevo.envs.base import Task
+from agentevo.models.backend import Sampling
+from agentevo.rollout.engine import Episode, EpisodeRequest
+
+REPLY = "Guide: The last step made progress. Next: take knife. Verdict: good\nThought: I need the knife.\nAction: take knife"
+
+
+# ------------------------------------------------------------------------------------------- parsing
+
+
+def test_parse_guide_and_verdicts() -> None:
+    assert parse_guide(REPLY) == ("The last step made progress. Next: take knife.", 1)
+    assert parse_guide("Guide: hm Verdict: BAD\nAction: look around") == ("hm", -1)
+    assert parse_guide("Guide: hm Verdict: neutral\nThought: x\nAction: y") == ("hm", 0)
+    assert parse_guide("Guide: hm Verdict: maybe\nAction: y") == ("hm", None)  # unparseable verdict
+    assert parse_guide("Guide: no verdict here\nThought: x\nAction: y") == ("no verdict here", None)
+    assert parse_guide("Thought: x\nAction: y") == (None, None)
+    # a 'Verdict:' after the guide's end (in the Thought) does not count
+    assert parse_guide("Guide: hm\nThought: Verdict: good\nAction: y") == ("hm", None)
+    after = "Thought: x\nAction: take knife\nGuide: The last step failed. Verdict: bad"
+    assert parse_guide(after, "after") == ("The last step failed.", -1) and parse_action(after) == "take knife"
+
+
+def test_demo_replies_round_trip() -> None:
+    for verdict in (1, 0, -1):
+        text = guided_reply("open fridge", verdict, first=False)
+        assert parse_guide(text)[1] == verdict and parse_action(text) == "open fridge"
+        assert parse_guide(guided_reply("open fridge", verdict, False, position="after"), "after")[1] == verdict
+    assert guided_reply("open fridge", 0, True).startswith("Guide: Nothing done yet.")
+    assert "Guide" not in guided_reply("open fridge", 1, False, with_guide=False)
+
+
+# ------------------------------------------------------------------------------------------- token spans
+
+
+class _PieceTokenizer:
+    """Each id decodes to a fixed piece of text; id 0 is a special token that decodes to nothing."""
+
+    def __init__(self, pieces: list[str]) -> None:
+        self.pieces = pieces
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True, clean_up_tokenization_spaces: bool = False) -> str:
+        return "".join(self.pieces[i] for i in ids)
+
+
+def test_guide_mask_by_last_character_of_each_token() -> None:
+    tok = _PieceTokenizer(["", "Guide: ok", " Verdict: good", ".\n", "\nThought", ": x", "\nAction: go", "Thought"])
+    # '.\n' ends inside the guide -> guide; '\nThought' ends in the Thought -> not guide; end token never.
+    assert guide_token_mask(tok, [1, 2, 3, 7, 5, 6, 0]) == [True, True, True, False, False, False, False]
+    assert guide_token_mask(tok, [1, 2, 4, 5, 6, 0]) == [True, True, False, False, False, False]
+    tok2 = _PieceTokenizer(["", "Thought: x", "\nAction: go", "\nGui", "de: bad Verdict: bad"])
+    assert guide_token_mask(tok2, [1, 2, 3, 4, 0], "after") == [False, False, True, True, False]
+    assert guide_token_mask(tok2, [1, 2, 0]) == [False, False, False]
+
+
+def test_guide_mask_on_real_tokenizer_ids(tiny_policy) -> None:  # noqa: ANN001
+    ids = tiny_policy.renderer.encode_reply(REPLY)  # as generated: reply tokens + end-of-turn
+    mask = guide_token_mask(tiny_policy.tokenizer, ids)
+    dec = tiny_policy.tokenizer.decode
+    guide = dec([i for i, m in zip(ids, mask, strict=True) if m])
+    rest = dec([i for i, m in zip(ids, mask, strict=True) if not m], skip_special_tokens=True)
+    assert guide.startswith("Guide:") and guide.rstrip().endswith("Verdict: good")
+    assert rest.lstrip().startswith("Thought: I need the knife.") and rest.endswith("Action: take knife")
+    assert mask[-1] is False and any(mask) and not all(mask)
+    assert make_masker(tiny_policy.tokenizer, "before", enabled=False)(ids) == [False] * len(ids)
+
+
+# ------------------------------------------------------------------------------------------- internal rewards
+
+
+def test_internal_returns_align_to_previous_step_and_normalise_over_group() -> None:
+    # verdicts given at t=1..4; t=1 ignored; verdict at t judges step t-1; r_int = [+1, -1, 0, 0]
+    a_int = internal_advantages([[None, 1, -1, 0]], gamma_int=0.5, norm="none")[0]
+    # G_4 = 0, G_3 = 0, G_2 = -1, G_1 = 1 + 0.5 * (-1) = 0.5
+    assert a_int.tolist() == pytest.approx([0.5, -1.0, 0.0, 0.0])
+    # pooled over all steps of the group: values [0.5, -1, 0, 0] + [1, 0] (verdicts [0, 1] -> r_int [1, 0])
+    normed = internal_advantages([[None, 1, -1, 0], [0, 1]], gamma_int=0.5, norm="group")
+    flat = torch.tensor([0.5, -1.0, 0.0, 0.0, 1.0, 0.0])
+    expect = (flat - flat.mean()) / (flat.std() + 1e-6)
+    assert torch.cat(normed).tolist() == pytest.approx(expect.tolist(), abs=1e-5)
+    # always 'good': r_int = [1, 0] for everyone; the normalised return depends on t only (an action-independent
+    # baseline shift, zero in expectation), identical for every member, so no trajectory is favoured.
+    same = internal_advantages([[1, 1], [1, 1]], 0.95, "group")
+    assert same[0].tolist() == pytest.approx([0.8660, -0.8660], abs=1e-4) and same[0].tolist() == same[1].tolist()
+
+
+def test_trust_schedule_and_stages_at_breakpoints() -> None:
+    K, bp = 10, (0.2, 0.5)
+    lam = [trust_weight(k, K, 0.5, bp, "staged") for k in range(K)]
+    assert lam[:3] == [0.0, 0.0, 0.0]  # stage I (k < 2), and the ramp starts at 0 on the breakpoint
+    assert lam[3] == pytest.approx(0.5 / 3) and lam[4] == pytest.approx(1.0 / 3)
+    assert lam[5:] == [0.5] * 5
+    assert [stage_of(k, K, bp) for k in range(K)] == [1, 1, 2, 2, 2, 3, 3, 3, 3, 3]
+    assert [guides_kept("staged", s) for s in (1, 2, 3)] == [0, 1, None]
+    assert [guides_kept(m, 1) for m in ("none", "last", "all")] == [0, 1, None]
+    assert trust_weight(0, K, 0.5, bp, "constant") == 0.5 and trust_weight(9, K, 0.5, bp, "none") == 0.0
+
+
+def test_auc_and_oracle_verdicts() -> None:
+    assert auc([1, 0, -1, 1], [True, False, False, True]) == 1.0
+    assert auc([0, 0], [True, False]) == 0.5 and auc([1, 1], [True, True]) is None
+    assert auc([1, -1, 0], [False, True, True]) == 0.0
+
+    def st(score: float, signal: str = "none") -> Step:
+        return Step(1, "", "", [], None, "a", "", 0.0, False, score=score, signal=signal)
+
+    assert oracle_verdict([]) == 0
+    assert oracle_verdict([st(0.0), st(0.25)]) == 1
+    assert oracle_verdict([st(0.25), st(0.25)]) == 0
+    assert oracle_verdict([st(0.25), st(0.25, "invalid")]) == -1
+    assert oracle_verdict([st(0.5), st(0.25)]) == -1
+
+
+def test_detour_flags() -> None:
+    for seed in range(20):
+        flags = detour_flags(f"task{seed}", seed, 12, 0.3, 16)
+        assert flags.count(False) == 12 and len(flags) <= 16
+        assert not any(a and b for a, b in zip(flags, flags[1:], strict=False))
+        assert flags == detour_flags(f"task{seed}", seed, 12, 0.3, 16)
+    assert detour_flags("t", 0, 5, 0.0, 20) == [False] * 5
+    assert detour_flags("t", 0, 5, 0.9, 5) == [False] * 5  # no room for detours
+
+
+# ------------------------------------------------------------------------------------------- the advantage tensor
+
+
+def _guided_traj(policy, n: int = 3, keep: int | None = 0) -> Trajectory:  # noqa: ANN001
+    r = policy.renderer
+    steps = []
+    for t in range(1, n + 1):
+        text = guided_reply("take knife", 1 if t % 2 else -1, t == 1)
+        ids = r.encode_reply(text)
+        steps.append(Step(t, f"obs {t}", text, ids, [-0.5] * len(ids), "take knife", f"obs {t + 1}", 0.0, False))
+    return Trajectory(Task("twx-cookingworld", "t0", "train", "cookingworld", {}, 20), "self", "p", "Instruction.",
+                      steps, 1.0, True, goal="g", meta={"keep": keep})
+
+
+@pytest.mark.parametrize("keep", [0, 1, None])
+@pytest.mark.parametrize("mode", ["env", "combined"])
+def test_guide_tokens_get_only_the_outcome_advantage(tiny_policy, keep, mode) -> None:  # noqa: ANN001
+    traj = _guided_traj(tiny_policy, 3, keep)
+    mask_fn = make_masker(tiny_policy.tokenizer, "before")
+    masks = [mask_fn(s.action_ids) for s in traj.steps]
+    a_env, lam, a_int = 0.8, 0.5, [0.4, -1.2, 0.0]
+    token_adv = token_advantages(masks, a_env, [lam * x for x in a_int], mode)
+    rows = [label_sample(r, token_adv) for r in guided_samples(tiny_policy.renderer, traj, 0, 20, 4096, keep, mask_fn)]
+    assert len(rows) == (1 if keep is None else 3)  # cut histories cannot be packed
+    batch = collate(rows, tiny_policy.pad_id)
+    for row, sample in enumerate(rows):
+        for (a, b), t in zip(sample.spans, sample.steps, strict=True):
+            adv = batch["adv"][row, a:b]
+            guide = torch.tensor(masks[t - 1])
+            assert guide.any() and (~guide).any()
+            combined = a_env + lam * a_int[t - 1]
+            assert torch.allclose(adv[~guide], torch.tensor(combined))
+            assert torch.allclose(adv[guide], torch.tensor(a_env if mode == "env" else combined))
+            assert batch["input_ids"][row, a:b].tolist() == traj.steps[t - 1].action_ids
+        outside = batch["action_mask"][row] == 0
+        assert torch.all(batch["adv"][row][outside] == 0)
+
+
+def test_history_retention_cuts_guides_and_matches_the_actor(tiny_policy) -> None:  # noqa: ANN001
+    traj = _guided_traj(tiny_policy, 3)
+    mask_fn = make_masker(tiny_policy.tokenizer, "before")
+    turns = [(s.action_ids, s.next_obs) for s in traj.steps]
+    cut = [[i for i, m in zip(s.action_ids, mask_fn(s.action_ids), strict=True) if not m] for s in traj.steps]
+    assert [h.action_ids for h in guided_history(turns, mask_fn, 0)] == cut
+    assert [h.action_ids for h in guided_history(turns, mask_fn, 1)] == cut[:2] + [traj.steps[2].action_ids]
+    assert [h.action_ids for h in guided_history(turns, mask_fn, None)] == [s.action_ids for s in traj.steps]
+    assert "Guide" not in tiny_policy.tokenizer.decode(cut[0])
+    # the training row of step 3 is built from exactly the prompt the guided actor showed
+    for keep in (0, 1, None):
+        actor = GuidedActor(tiny_policy, traj.instruction, 20, Sampling(), keep, mask_fn)
+        ep = Episode(EpisodeRequest(traj.task, 0), 0, first_obs=traj.first_obs, goal=traj.goal)
+        ep.history = [HistoryTurn(s.action_ids, s.next_obs) for s in traj.steps[:2]]
+        rows = guided_samples(tiny_policy.renderer, traj, 0, 20, 4096, keep, mask_fn, steps=[3])
+        a = rows[0].spans[-1][0]
+        assert rows[0].input_ids[:a] == actor.prompt_ids(ep)
+
+
+def test_guide_stats_distribution_and_calibration(tiny_policy) -> None:  # noqa: ANN001
+    win = _guided_traj(tiny_policy, 3)  # verdicts +1 (t1, ignored), -1, +1
+    lose = _guided_traj(tiny_policy, 2)
+    lose.success = False
+    for traj in (win, lose):
+        for s, score in zip(traj.steps, [0.5, 0.5, 1.0], strict=False):
+            s.score = score
+    stats = guide_stats([win, lose], "before", make_masker(tiny_policy.tokenizer, "before"))
+    # verdicts judged (t>=2): win: -1 (t2), +1 (t3); lose: -1 (t2)
+    assert stats["verdict_bad"] == pytest.approx(2 / 3) and stats["verdict_good"] == pytest.approx(1 / 3)
+    assert stats["verdict_missing"] == 0 and stats["guide_format_error_rate"] == 0
+    # success labels [T, T, F] with scores [-1, +1, -1]: pairs (−1 vs −1) tie, (+1 vs −1) win -> 0.75
+    assert stats["verdict_auc_success"] == pytest.approx(0.75)
+    # progress of the judged step: step1 +0.5 (judged at t2, verdict -1), step2 0 (judged at t3, +1), lose step1 +0.5
+    assert stats["verdict_auc_progress"] == pytest.approx(0.0)
+    assert stats["guide_tokens"] > 3
+
+
+@pytest.mark.slow
+def test_selfguide_recipe_one_update_end_to_end(tmp_path) -> None:  # noqa: ANN001
+    import json
+
+    from agentevo.algorithms.selfguide import run as selfguide_run
+    from agentevo.config import load_config
+    from agentevo.run import Run
+    smoke = [
+        "env.n_train=3", "env.n_test=2", "env.params={max_steps: 4}", "model.tiny.hidden_size=64",
+        "model.tiny.num_layers=2", "model.tiny.num_heads=2", "model.tiny.intermediate_size=128",
+        "agent.max_new_tokens=16", "agent.history_window=4", "optim.epochs=1", "optim.batch_size=4",
+        "optim.micro_batch_size=4", "rollout.n_parallel=2", "rollout.batch_size=4", "grpo.n_updates=1",
+        "grpo.tasks_per_update=1", "grpo.group_size=2", "grpo.lr=1.0e-4", "grpo.batch_size=2",
+        "grpo.micro_batch_size=2", "model.torch_threads=1",
+    ]
+    cfg = load_config(None, smoke + ["selfguide.guide_max_tokens=24", "selfguide.schedule=constant",
+                                     "selfguide.demo_detour_prob=0.3"], method="selfguide", name="s",
+                      output_dir=str(tmp_path))
+    r = Run.create(cfg, quiet=True)
+    try:
+        results = selfguide_run(r)
+        demos = r.store.load(collection="expert-guided")
+    finally:
+        r.close()
+    assert results["expert-guided"]["n"] == 3 and all(parse_guide(s.action_text)[0] for t in demos for s in t.steps)
+    assert [t.meta["keep"] for t in demos] == [0, 1, None]  # demos cycle through the history retentions
+    update = results["update-1"]
+    assert update["lambda"] == 0.5 and update["stage"] == 1 and update["guides_kept"] == 0
+    for key in ("verdict_good", "verdict_auc_success", "guide_tokens", "guide_format_error_rate", "entropy", "kl",
+                "clip_frac_low", "clip_frac_high"):
+        assert key in update
+    assert results["eval/update-1"]["test"]["train_env_steps"] == update["train_env_steps"]
+    assert json.loads((tmp_path / "s/checkpoints/latest/state.json").read_text())["update"] == 1
