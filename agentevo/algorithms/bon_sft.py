@@ -1,0 +1,63 @@
+"""BoN-16 + SFT (rejection-sampling fine-tuning; methods-spec §5, RSD table).
+
+1. from the base, sample bon_n trajectories per training task (rsd.rollout_temperature);
+2. keep the successful ones (success filter) [S];
+3. SFT (NLL) on their own reply ids, one round [O];
+4. evaluate greedily without context.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from agentevo.algorithms.bc import nll_loss
+from agentevo.algorithms.rsd import prepare_base, sample_tasks
+from agentevo.data.tensors import trajectory_samples
+from agentevo.eval.metrics import summarize
+from agentevo.models.backend import Sampling
+from agentevo.models.policy import with_lora
+from agentevo.rollout.engine import EpisodeRequest, PolicyActor
+from agentevo.train.loop import train
+
+
+def run(run: Any) -> dict[str, Any]:
+    """BoN-N + SFT end to end; returns the evaluation table."""
+    cfg, rsd = run.cfg, run.cfg.rsd
+    base, results = prepare_base(run)
+    # The same tasks RSD's first round draws, so the two spend their rollouts on the same tasks.
+    tasks = sample_tasks(list(run.tasks("train")), rsd.tasks_per_round, random.Random(cfg.seed * 1000 + 1))
+
+    def collect() -> dict[str, Any]:
+        policy = run.load_policy(base)
+        sampling = Sampling(rsd.rollout_temperature, cfg.rollout.top_p, cfg.agent.max_new_tokens, seed=cfg.seed * 7919)
+        actor = PolicyActor(policy, run.signal_env.instruction(), cfg.agent.history_window, sampling)
+        requests = [EpisodeRequest(t, k * rsd.bon_n + i, meta={"sample": i})
+                    for k, t in enumerate(tasks) for i in range(rsd.bon_n)]
+        trajs = run.collect(actor, requests, "bon/samples", f"BoN-{rsd.bon_n} samples")
+        solved = {t.task.task_id for t in trajs if t.success}
+        return {**summarize(trajs), "tasks": len(tasks), f"pass@{rsd.bon_n}": len(solved) / max(1, len(tasks))}
+
+    results["bon/collect"] = run.phase("bon/collect", collect)
+
+    def sft() -> dict[str, Any]:
+        kept = run.store.load(collection="bon/samples", success=True)
+        if not kept:
+            return {"samples": 0, "skipped": "no successful sample"}
+        policy = run.load_policy(base)
+        samples = [s for k, t in enumerate(kept)
+                   for s in trajectory_samples(policy.renderer, t, k, cfg.agent.history_window, cfg.optim.max_length)]
+        model = with_lora(policy, cfg)
+        with run.progress("bon-sft training") as bar:
+            stats = train(model, samples, nll_loss, cfg.optim, policy.pad_id, run.checkpoint_dir("bon-sft-work"),
+                          cfg.seed, run.logger, "bon-sft/train", policy.tokenizer, bar.training_callback())
+        if cfg.model.lora.enabled:
+            policy.model = policy.model.merge_and_unload()
+        policy.policy_id = "bon-sft"
+        policy.save(run.checkpoint_dir("bon-sft"))
+        return {**stats, "samples": len(samples), "trajectories": len(kept)}
+
+    results["bon-sft"] = run.phase("bon-sft", sft)
+    final = "bon-sft" if results["bon-sft"].get("samples") else base
+    results["eval/bon-sft"] = run.phase("eval/bon-sft", lambda: run.evaluate(run.load_policy(final), final))
+    return results
