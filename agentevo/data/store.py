@@ -167,7 +167,7 @@ class ExperienceStore:
         success: bool | None = None,
         ids: list[int] | None = None,
     ) -> list[Trajectory]:
-        """Trajectories matching the filters, in (collection, slot) order, with their steps."""
+        """Trajectories matching the filters, in storage order (the order they finished), with their steps."""
         where, args = [], []
         if collection is not None:
             where.append("collection = ?")

@@ -1,0 +1,667 @@
+"""Q-Evolve: self-evolving agents with in-distribution optimisation (methods-spec §2, arXiv 2606.07367).
+
+    0. BC warm start: pi_0 := pi_BC (warm_start).
+    for round r = 1..K (the paper's k = r − 1):
+    1. hybrid data: roll pi_{r-1} (T=0.7) n_self_per_task times on every training task -> D_self;
+       D = D_expert ∪ D_self (refresh: this round's D_self; accumulate: every round's).
+    2. retrospective labels: r_aux_t from the step's signal (format > invalid > repeat > none).
+    3. weighted-IQL critic on D: V step (expectile vs min target Q) -> Q step (Bellman with r_env + r_aux)
+       -> Polyak on the target heads; w_t = 0.5(t/T + d) + 0.5.
+    4. process rewards: GAE with r_env only (or q_minus_v / td / gae_aux), normalised over D.
+    5. policy improvement on the same D: clipped ratio against pi_old = pi_{r-1} with eps_low > eps_high,
+       + alpha * k3 KL to pi_BC, token-mean (or AWR; or none: the critic reranks candidates at test time).
+    6. evaluate pi_r greedily (eval/round-r); pi_r collects the next round's data.
+
+Every step is a resumable phase (round-r/collect, round-r/label, round-r/critic, round-r/advantages,
+round-r/policy, eval/round-r); models live in checkpoints/round-r (policy) and checkpoints/round-r-critic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from agentevo.agent.prompt import build_messages
+from agentevo.algorithms import advantages as adv_math
+from agentevo.algorithms import losses
+from agentevo.algorithms.bc import warm_start
+from agentevo.algorithms.qevolve_config import QEvolveConfig
+from agentevo.data.tensors import StepSample, collate, reply_logprobs, trajectory_samples
+from agentevo.data.types import Trajectory
+from agentevo.envs.base import SIGNALS
+from agentevo.eval.metrics import summarize
+from agentevo.models.backend import Generation, Sampling, TransformersPolicy, load_pretrained
+from agentevo.models.critic import (
+    Critic,
+    CriticFit,
+    CriticItem,
+    add_critic_adapter,
+    critic_rows,
+    critic_values,
+    fit_critic,
+    load_critic_weights,
+    save_critic,
+)
+from agentevo.models.policy import with_lora
+from agentevo.rollout.engine import EpisodeRequest, PolicyActor
+from agentevo.train.loop import train
+
+
+def run(run: Any) -> dict[str, Any]:
+    """The Q-Evolve recipe end to end; returns every phase's result (evaluation tables under eval/...)."""
+    results = warm_start(run)  # step 0: expert demos -> pi_BC (checkpoints/bc)
+    for r in range(1, run.cfg.qevolve.n_iters + 1):
+        results.update(evolve_round(run, r))
+    results["plots"] = plot_rounds(run)
+    return results
+
+
+def evolve_round(run: Any, r: int) -> dict[str, Any]:
+    """One evolving iteration (steps 1-6), each step a resumable phase."""
+    cache: dict[str, Any] = {}  # models built in this process, reused by the next phase of the round
+    out: dict[str, Any] = {}
+    out[f"round-{r}/collect"] = run.phase(f"round-{r}/collect", lambda: collect_self(run, r))  # step 1
+    data = hybrid_dataset(run, r)
+    out[f"round-{r}/label"] = run.phase(f"round-{r}/label", lambda: data_stats(run, r, data))  # step 2
+    out[f"round-{r}/critic"] = run.phase(f"round-{r}/critic", lambda: train_critic(run, r, data, cache))  # step 3
+    out[f"round-{r}/advantages"] = run.phase(
+        f"round-{r}/advantages", lambda: compute_advantages(run, r, data, cache)
+    )  # step 4
+    out[f"round-{r}/policy"] = run.phase(f"round-{r}/policy", lambda: improve_policy(run, r, data))  # step 5
+    out[f"eval/round-{r}"] = run.phase(f"eval/round-{r}", lambda: evaluate_round(run, r))  # step 6
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Policies
+
+
+def policy_name(q: QEvolveConfig, r: int) -> str:
+    """Checkpoint name of pi_r (pi_0 = BC; with pi=none the policy is never updated)."""
+    return "bc" if r == 0 or q.pi == "none" else f"round-{r}"
+
+
+def _lora_config(model: Any, cfg: Any) -> Any:
+    from peft import LoraConfig
+
+    lora = cfg.model.lora
+    present = {name.split(".")[-1] for name, _ in model.named_modules()}
+    return LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                      target_modules=[m for m in lora.target_modules if m in present], task_type="CAUSAL_LM")
+
+
+def load_round_policy(run: Any, r: int) -> TransformersPolicy:
+    """pi_r. With LoRA: the BC model as a frozen base plus the policy adapter "default" (fresh for pi_0)."""
+    cfg = run.cfg
+    name = policy_name(cfg.qevolve, r)
+    if not cfg.model.lora.enabled:
+        return run.load_policy(name)
+    policy = run.load_policy("bc", policy_id=name)
+    if name == "bc":
+        with_lora(policy, cfg)  # LoRA B = 0: the same function as pi_BC
+    else:
+        from peft import PeftModel
+
+        policy.model = PeftModel.from_pretrained(policy.model, run.checkpoint_dir(name), is_trainable=True)
+    return policy
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Step 1: hybrid data
+
+
+def collect_self(run: Any, r: int) -> dict[str, Any]:
+    """Roll pi_{r-1} at the collection temperature, n_self_per_task times per training task, into round-r/self."""
+    cfg, q = run.cfg, run.cfg.qevolve
+    policy = load_round_policy(run, r - 1)
+    tasks = run.tasks("train")
+    sampling = Sampling(q.collect_temperature, cfg.rollout.top_p, cfg.agent.max_new_tokens, seed=cfg.seed * 7919 + r)
+    actor = PolicyActor(policy, run.signal_env.instruction(), cfg.agent.history_window, sampling)
+    requests = [
+        EpisodeRequest(task, i * q.n_self_per_task + j, meta={"round": r})
+        for i, task in enumerate(tasks)
+        for j in range(q.n_self_per_task)
+    ]
+    trajs = run.collect(actor, requests, f"round-{r}/self", f"round {r}: collect with {policy.policy_id}")
+    return {"policy": policy.policy_id, "task_hash": tasks.hash, **summarize(trajs)}
+
+
+@dataclass
+class Dataset:
+    """D = D_expert ∪ D_self for one round, in a fixed order (expert first, then by collection and slot)."""
+
+    trajs: list[Trajectory]
+
+    @property
+    def keys(self) -> list[int]:
+        return [int(t.meta["store_id"]) for t in self.trajs]
+
+
+def hybrid_dataset(run: Any, r: int) -> Dataset:
+    """D_expert plus this round's self data (refresh) or every round's so far (accumulate)."""
+    q = run.cfg.qevolve
+    rounds = [r] if q.buffer == "refresh" else list(range(1, r + 1))
+    self_data = [t for k in rounds for t in run.store.load(collection=f"round-{k}/self")]
+    self_data.sort(key=lambda t: (t.meta["collection"], t.meta["slot"]))
+    expert = sorted(run.store.load(collection="expert"), key=lambda t: t.meta["slot"])
+    return Dataset(expert + self_data)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Step 2: retrospective labels (and the per-step quantities the critic needs)
+
+
+@dataclass
+class StepLabels:
+    """Per step of one trajectory: r_env, r_aux, done, w (all length T), and d = 1[final return != 0]."""
+
+    r_env: list[float]
+    r_aux: list[float]
+    done: list[bool]
+    w: list[float]
+    d: bool
+
+    def critic_rewards(self, rr: bool) -> list[float]:
+        """r_t = r_env + r_aux (rr on) or r_env (rr off)."""
+        return [e + a for e, a in zip(self.r_env, self.r_aux, strict=True)] if rr else list(self.r_env)
+
+
+def step_labels(traj: Trajectory, q: QEvolveConfig) -> StepLabels:
+    """Labels of one trajectory (methods-spec §2.3 steps 2-3)."""
+    T = traj.length
+    # Sparse env reward [O]: r_env_T = final reward (ETO); sci_dense: the env's per-step score deltas.
+    r_env = [float(s.reward) for s in traj.steps] if q.sci_dense else [0.0] * (T - 1) + [float(traj.final_reward)]
+    r_aux = adv_math.retrospective_rewards([s.signal for s in traj.steps], q.r_fmt, q.r_inv, q.r_repeat).tolist()
+    # Every episode ends in a terminal step, max-step truncation included [O]: failures are worth 0 after T.
+    done = [False] * (T - 1) + [True]
+    d = traj.final_reward != 0
+    w = adv_math.step_weights(T, d).tolist() if q.wiql else [1.0] * T  # wiql off: plain IQL
+    return StepLabels(r_env, r_aux, done, w, d)
+
+
+def data_stats(run: Any, r: int, data: Dataset) -> dict[str, Any]:
+    """Step 2 bookkeeping: what D holds, aux-label fractions, env steps consumed so far (logged as data/...)."""
+    q = run.cfg.qevolve
+    expert = [t for t in data.trajs if t.source == "expert"]
+    own = [t for t in data.trajs if t.source != "expert"]
+    fresh = run.store.load(collection=f"round-{r}/self")
+    collected = [run.store.load(collection=f"round-{k}/self") for k in range(1, r + 1)]
+    steps = [s for t in data.trajs for s in t.steps]
+    n_steps = max(1, len(steps))
+    labels = [step_labels(t, q) for t in data.trajs]
+    stats: dict[str, Any] = {
+        "n_expert": len(expert),
+        "n_self": len(own),
+        "n_steps": len(steps),
+        "self_success_rate": summarize(fresh).get("success_rate", 0.0),
+        "self_mean_return": summarize(fresh).get("avg_reward", 0.0),
+        "self_mean_length": summarize(fresh).get("mean_steps", 0.0),
+        "frac_d1": sum(lab.d for lab in labels) / max(1, len(labels)),
+        "mean_r_aux": sum(sum(lab.r_aux) for lab in labels) / n_steps,
+        # Env steps (actions that reached the environment) for the sample-efficiency comparison.
+        "env_steps_expert": summarize(expert).get("env_steps", 0),
+        "env_steps_round": summarize(fresh).get("env_steps", 0),
+        "env_steps_cumulative": summarize(expert).get("env_steps", 0)
+        + sum(summarize(c).get("env_steps", 0) for c in collected),
+        "episodes_cumulative": len(expert) + sum(len(c) for c in collected),
+    }
+    for sig in SIGNALS:
+        stats[f"aux_frac_{sig}"] = sum(s.signal == sig for s in steps) / n_steps
+    run.logger.log("qevolve/data", r, stats)
+    return stats
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Step 3: the weighted-IQL critic
+
+
+def ensure_reply_ids(policy: TransformersPolicy, trajs: list[Trajectory]) -> None:
+    """Expert replies are stored as text: tokenise them with the policy's tokenizer (as BC did)."""
+    for traj in trajs:
+        for step in traj.steps:
+            if not step.action_ids:
+                step.action_ids = policy.renderer.encode_reply(step.action_text)
+
+
+def critic_items(run: Any, policy: TransformersPolicy, data: Dataset) -> list[CriticItem]:
+    """One CriticItem per trajectory of D: its rows (full-trajectory render), r_t, done_t, w_t."""
+    cfg, q = run.cfg, run.cfg.qevolve
+    ensure_reply_ids(policy, data.trajs)
+    items = []
+    for key, traj in zip(data.keys, data.trajs, strict=True):
+        lab = step_labels(traj, q)
+        rows = critic_rows(policy.renderer, traj, cfg.optim.max_length, cfg.agent.history_window)
+        items.append(CriticItem(rows, lab.critic_rewards(q.rr), lab.done, lab.w, key))
+    return items
+
+
+def is_holdout(task_id: str, fraction: float, seed: int) -> bool:
+    """Whether a training task is held out of critic fitting (a fixed hash of the task id and seed)."""
+    if fraction <= 0:
+        return False
+    h = int(hashlib.sha256(f"{seed}:{task_id}".encode()).hexdigest()[:8], 16)
+    return h / 0xFFFFFFFF < fraction
+
+
+def build_critic(run: Any, r: int, policy: TransformersPolicy, init: str | None = None) -> Critic:
+    """The round-r critic before fitting: backbone from pi_{r-1} (policy), pi_BC (bc) or the last critic."""
+    cfg, q = run.cfg, run.cfg.qevolve
+    init = init or q.critic_init
+    prev = run.checkpoint_dir(f"round-{r - 1}-critic")
+    if init == "prev_critic" and not (prev / "heads.pt").exists():
+        init = "policy"  # round 1 has no previous critic: start from pi_0 = pi_BC [O]
+    if cfg.model.lora.enabled:
+        # One copy of the base weights: the critic is a second adapter on the policy's base model.
+        add_critic_adapter(policy.model, _lora_config(policy.model, cfg), "default" if init == "policy" else None)
+        critic = Critic(policy.model, q.critic_hidden, adapter="critic", seed=cfg.seed + r)
+    else:
+        if init == "policy":
+            lm = policy.model
+        elif init == "bc":
+            lm = run.load_policy("bc").model
+        else:
+            lm = load_pretrained(prev / "backbone")[0]
+        critic = Critic(lm, q.critic_hidden, seed=cfg.seed + r)
+    if init == "prev_critic":
+        load_critic_weights(critic, prev)
+    return critic
+
+
+def load_round_critic(run: Any, r: int) -> tuple[Critic, TransformersPolicy]:
+    """The fitted round-r critic (and pi_{r-1}, whose renderer and, with LoRA, base model it uses)."""
+    cfg, q = run.cfg, run.cfg.qevolve
+    policy = load_round_policy(run, r - 1)
+    path = run.checkpoint_dir(f"round-{r}-critic")
+    if cfg.model.lora.enabled:
+        add_critic_adapter(policy.model, _lora_config(policy.model, cfg), None)
+        critic = Critic(policy.model, q.critic_hidden, adapter="critic", seed=cfg.seed + r)
+    else:
+        critic = Critic(load_pretrained(path / "backbone")[0], q.critic_hidden, seed=cfg.seed + r)
+    load_critic_weights(critic, path)
+    critic.eval()
+    return critic, policy
+
+
+def train_critic(run: Any, r: int, data: Dataset, cache: dict[str, Any]) -> dict[str, Any]:
+    """Fit V, Q1, Q2 by weighted IQL on D minus the held-out tasks; calibration on the held-out ones."""
+    cfg, q = run.cfg, run.cfg.qevolve
+    policy = load_round_policy(run, r - 1)
+    items = critic_items(run, policy, data)
+    held = [is_holdout(t.task.task_id, q.critic_holdout, cfg.seed) for t in data.trajs]
+    fit_items = [it for it, h in zip(items, held, strict=True) if not h] or items
+    critic = build_critic(run, r, policy)
+    fit = CriticFit(q.tau, q.gamma, q.polyak, q.critic_lr, q.critic_epochs, q.critic_batch_size,
+                    q.critic_micro_batch_size, q.critic_grad_clip)
+    phase = f"round-{r}/critic/train"
+    with run.progress(f"round {r}: critic", None) as bar:
+        def on_step(step: int, record: dict[str, float]) -> None:
+            run.logger.log(phase, step, record)
+            bar.update(step)
+
+        epochs = fit_critic(critic, fit_items, fit, policy.pad_id, cfg.seed + r, on_step)
+    for e in epochs:
+        run.logger.log(f"round-{r}/critic/epoch", e["epoch"], e)
+    save_critic(critic, run.checkpoint_dir(f"round-{r}-critic"), policy.tokenizer)
+    cache["critic"], cache["policy"] = critic, policy
+    # Calibration [§2.4]: does V(s_1) rank held-out returns / separate held-out successes?
+    held_trajs = [t for t, h in zip(data.trajs, held, strict=True) if h]
+    held_values = critic_values(critic, [it for it, h in zip(items, held, strict=True) if h], policy.pad_id)
+    v1 = [v["v"][0] for v in held_values]
+    stats = {
+        "n_fit": len(fit_items),
+        "n_holdout": len(held_trajs),
+        "loss_v_last_epoch": epochs[-1]["loss_v"],
+        "loss_q_last_epoch": epochs[-1]["loss_q"],
+        "spearman_v1_return": spearman(v1, [t.final_reward for t in held_trajs]),
+        "auc_v1_success": auc(v1, [t.success for t in held_trajs]),
+    }
+    run.logger.log(f"round-{r}/critic", 0, {k: v for k, v in stats.items() if v is not None})
+    return stats
+
+
+def _ranks(xs: list[float]) -> list[float]:
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    ranks = [0.0] * len(xs)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1  # ties share their average rank
+        i = j + 1
+    return ranks
+
+
+def spearman(x: list[float], y: list[float]) -> float | None:
+    """Spearman rank correlation (None when either side is constant or shorter than 2)."""
+    if len(x) < 2 or len(set(x)) < 2 or len(set(y)) < 2:
+        return None
+    rx, ry = torch.tensor(_ranks(x)), torch.tensor(_ranks(y))
+    rx, ry = rx - rx.mean(), ry - ry.mean()
+    return float((rx * ry).sum() / (rx.norm() * ry.norm()))
+
+
+def auc(scores: list[float], positive: list[bool]) -> float | None:
+    """ROC AUC of scores for the positive class (ties count 1/2); None without both classes."""
+    pos = [s for s, p in zip(scores, positive, strict=True) if p]
+    neg = [s for s, p in zip(scores, positive, strict=True) if not p]
+    if not pos or not neg:
+        return None
+    wins = sum((a > b) + 0.5 * (a == b) for a in pos for b in neg)
+    return wins / (len(pos) * len(neg))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Step 4: process rewards
+
+
+def process_rewards(pr: str, lab: StepLabels, values: dict[str, list[float]], gamma: float, lam: float) -> list[float]:
+    """A_t for one trajectory from the critic's V (T+1) and Q heads (T): gae | q_minus_v | td | gae_aux."""
+    v = values["v"]
+    if pr == "gae":  # r_env only in delta [S]
+        a = adv_math.gae(lab.r_env, v, lab.done, gamma, lam)
+    elif pr == "gae_aux":  # r_env + r_aux in delta (the placement the paper argues against)
+        a = adv_math.gae([e + x for e, x in zip(lab.r_env, lab.r_aux, strict=True)], v, lab.done, gamma, lam)
+    elif pr == "td":  # potential-based shaping: GAE with lambda = 0
+        a = adv_math.td_errors(lab.r_env, v, lab.done, gamma)
+    elif pr == "q_minus_v":  # one-step advantage, 'w/o GAE'
+        q_min = torch.minimum(torch.tensor(values["q1"]), torch.tensor(values["q2"]))
+        a = adv_math.q_minus_v(q_min, v)
+    else:
+        raise ValueError(f"unknown process reward {pr!r}")
+    return a.tolist()
+
+
+def dataset_advantages(
+    q: QEvolveConfig, labels: list[StepLabels], values: list[dict[str, list[float]]]
+) -> tuple[list[list[float]], list[list[float]]]:
+    """Per trajectory: the raw A_t and the A_t used for training (normalised over all steps of D when adv_norm)."""
+    raw = [process_rewards(q.pr, lab, val, q.gamma, q.lam) for lab, val in zip(labels, values, strict=True)]
+    flat = torch.tensor([a for adv in raw for a in adv])
+    normed = adv_math.normalise(flat) if q.adv_norm else flat  # over the whole dataset [P:BPPO]
+    return raw, [x.tolist() for x in torch.split(normed, [len(a) for a in raw])]
+
+
+def labels_path(run: Any, r: int) -> Any:
+    return run.dir / "labels" / f"round-{r}.json"
+
+
+def compute_advantages(run: Any, r: int, data: Dataset, cache: dict[str, Any]) -> dict[str, Any]:
+    """V/Q for every trajectory of D (one pass each), A_t per step, normalised over D; saved to labels/round-r.json."""
+    q = run.cfg.qevolve
+    if "critic" in cache:
+        critic, policy = cache["critic"], cache["policy"]
+    else:
+        critic, policy = load_round_critic(run, r)
+    items = critic_items(run, policy, data)
+    values = critic_values(critic, items, policy.pad_id)
+    raw, final = dataset_advantages(q, [step_labels(t, q) for t in data.trajs], values)
+    flat = torch.tensor([a for adv in raw for a in adv])
+    path = labels_path(run, r)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"keys": data.keys, "adv": final, "raw": raw,
+                               "v": [v["v"] for v in values]}))
+    os.replace(tmp, path)
+    stats = {**value_stats(data, values, q.tau), **advantage_stats(data, final, flat)}
+    run.logger.log(f"round-{r}/advantages", 0, stats)
+    return stats
+
+
+def value_stats(data: Dataset, values: list[dict[str, list[float]]], tau: float) -> dict[str, float]:
+    """Critic statistics over D [§2.4]: V, Q1, Q2, min Q̄, expectile residual sign, V on expert vs self steps."""
+    v = torch.tensor([x for val in values for x in val["v"][:-1]])
+    q1 = torch.tensor([x for val in values for x in val["q1"]])
+    q2 = torch.tensor([x for val in values for x in val["q2"]])
+    qbar = torch.minimum(torch.tensor([x for val in values for x in val["qbar1"]]),
+                         torch.tensor([x for val in values for x in val["qbar2"]]))
+    is_expert = torch.tensor([t.source == "expert" for t in data.trajs for _ in t.steps])
+    out = {
+        "v_mean": float(v.mean()), "v_std": float(v.std()) if len(v) > 1 else 0.0,
+        "q1_mean": float(q1.mean()), "q1_std": float(q1.std()) if len(q1) > 1 else 0.0,
+        "q2_mean": float(q2.mean()), "q2_std": float(q2.std()) if len(q2) > 1 else 0.0,
+        "qbar_mean": float(qbar.mean()),
+        # Fraction of steps with min Q̄ above V. Spec §2.4 expects ≈ tau; like a tau-quantile, an upper expectile
+        # leaves roughly 1 − tau of the residuals positive (see docs/methods/qevolve.md).
+        "resid_pos_frac": float((qbar > v).float().mean()),
+        "tau": tau,
+    }
+    for name, mask in (("expert", is_expert), ("self", ~is_expert)):
+        if mask.any():
+            out[f"v_mean_{name}"] = float(v[mask].mean())
+    return out
+
+
+def advantage_stats(data: Dataset, final: list[list[float]], raw_flat: torch.Tensor) -> dict[str, float]:
+    """Mean / std / fraction > 0 of the advantages by source (expert, self) and by aux type [§2.4]."""
+    a = torch.tensor([x for adv in final for x in adv])
+    source = [("expert" if t.source == "expert" else "self") for t in data.trajs for _ in t.steps]
+    signal = [s.signal for t in data.trajs for s in t.steps]
+    out = {"raw_mean": float(raw_flat.mean()), "raw_std": float(raw_flat.std()) if len(raw_flat) > 1 else 0.0}
+    groups = [(f"src_{g}", [x == g for x in source]) for g in ("expert", "self")]
+    groups += [(f"aux_{g}", [x == g for x in signal]) for g in SIGNALS]
+    for name, sel in groups:
+        mask = torch.tensor(sel)
+        if mask.any():
+            part = a[mask]
+            out[f"{name}_n"] = int(mask.sum())
+            out[f"{name}_mean"] = float(part.mean())
+            out[f"{name}_std"] = float(part.std()) if len(part) > 1 else 0.0
+            out[f"{name}_pos_frac"] = float((part > 0).float().mean())
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Step 5: policy improvement
+
+
+def policy_samples(
+    renderer: Any, data: Dataset, adv: list[list[float]], window: int, max_length: int
+) -> list[StepSample]:
+    """Training rows of D with each reply's advantage A_t as the span label 'adv'."""
+    samples = []
+    for i, (traj, a) in enumerate(zip(data.trajs, adv, strict=True)):
+        for s in trajectory_samples(renderer, traj, i, window, max_length):
+            s.labels["adv"] = [a[t - 1] for t in s.steps]
+            samples.append(s)
+    return samples
+
+
+@torch.no_grad()
+def span_logprobs(model: Any, samples: list[StepSample], pad_id: int, batch_size: int) -> list[list[float]]:
+    """log pi(token | prefix) of every reply token of each sample (spans concatenated), under `model`."""
+    model.eval()
+    out: list[list[float]] = []
+    for start in range(0, len(samples), batch_size):
+        chunk = samples[start : start + batch_size]
+        batch = collate(chunk, pad_id)
+        device = next(model.parameters()).device
+        logp, _ = reply_logprobs(model, {k: v.to(device) for k, v in batch.items()})
+        logp = logp.cpu()
+        for row, s in enumerate(chunk):
+            out.append([x for a, b in s.spans for x in logp[row, a:b].tolist()])
+    return out
+
+
+def policy_loss(q: QEvolveConfig) -> Callable[[Any, dict[str, Any]], tuple[torch.Tensor, dict[str, float]]]:
+    """The step-5 loss: -J_clip + alpha * KL_k3(pi || pi_BC) (bppo), or the AWR loss (awr)."""
+
+    def loss_fn(model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        picked = losses.token_logprobs(logits, batch["input_ids"])
+        logp = torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)  # aligned to input positions
+        mask = batch["action_mask"]
+        kl_ref = losses.aggregate(losses.kl_k3(logp, batch["ref_logp"]), mask, q.loss_agg)
+        stats: dict[str, float] = {}
+        if q.pi == "bppo":
+            objective, clip = losses.clipped_ratio_objective(
+                logp, batch["old_logp"], batch["adv"], mask, q.eps_low, q.eps_high, q.loss_agg
+            )
+            loss = objective + q.kl_alpha * kl_ref
+            stats = {k: float(v) for k, v in clip.items()}
+        else:  # AWR as written in methods-spec §5: no clipping, no KL term
+            weights = adv_math.awr_weights(batch["adv"], q.awr_beta, q.awr_cap)
+            objective = losses.awr_loss(logp, weights, mask, q.loss_agg)
+            loss = objective
+        with torch.no_grad():
+            entropy = losses.token_entropy(logits[:, :-1])
+            entropy = torch.cat([torch.zeros_like(entropy[:, :1]), entropy], dim=1)
+            stats.update(
+                j_clip=float(-objective) if q.pi == "bppo" else 0.0,
+                awr_loss=float(objective) if q.pi == "awr" else 0.0,
+                kl_ref=float(kl_ref),
+                kl_old=float(losses.aggregate(losses.kl_k3(logp, batch["old_logp"]), mask, q.loss_agg)),
+                entropy=float(losses.aggregate(entropy, mask, q.loss_agg)),
+                tokens=float(mask.sum()),
+            )
+        return loss, stats
+
+    return loss_fn
+
+
+def improve_policy(run: Any, r: int, data: Dataset) -> dict[str, Any]:
+    """pi_r from pi_{r-1} on D with the round's advantages; old log-probs under pi_{r-1}, reference pi_BC."""
+    cfg, q = run.cfg, run.cfg.qevolve
+    if q.pi == "none":
+        return {"skipped": "pi=none: the policy stays pi_BC; the critic reranks candidate replies at test time"}
+    saved = json.loads(labels_path(run, r).read_text())
+    if saved["keys"] != data.keys:
+        raise RuntimeError(f"labels/round-{r}.json does not belong to this round's dataset; delete it and resume")
+    policy = load_round_policy(run, r - 1)
+    ensure_reply_ids(policy, data.trajs)
+    samples = policy_samples(policy.renderer, data, saved["adv"], cfg.agent.history_window, cfg.optim.max_length)
+    micro = q.policy_micro_batch_size
+    # pi_old = pi_{r-1} for every reply token of D, expert ones included; computed once per round [S/O].
+    old = span_logprobs(policy.model, samples, policy.pad_id, micro)
+    if cfg.model.lora.enabled:
+        with policy.model.disable_adapter():  # the shared base is pi_BC
+            ref = span_logprobs(policy.model, samples, policy.pad_id, micro)
+    else:
+        ref = span_logprobs(run.load_policy("bc").model, samples, policy.pad_id, micro)
+    for s, o, f in zip(samples, old, ref, strict=True):
+        s.token_labels["old_logp"], s.token_labels["ref_logp"] = o, f
+    # Sanity: stored behaviour log-probs (sampling time) against the recomputed pi_{r-1} ones, self data only.
+    diffs = [abs(a - b) for s, o in zip(samples, old, strict=True) if s.behaviour_logprobs
+             for a, b in zip(s.behaviour_logprobs, o, strict=True)]
+    model = policy.model
+    model.train()
+    optim = dataclasses.replace(cfg.optim, lr=q.policy_lr, epochs=q.policy_epochs, batch_size=q.policy_batch_size,
+                                micro_batch_size=q.policy_micro_batch_size)
+    with run.progress(f"round {r}: policy ({q.pi})") as bar:
+        stats = train(model, samples, policy_loss(q), optim, policy.pad_id, run.checkpoint_dir(f"round-{r}-work"),
+                      cfg.seed + r, run.logger, f"round-{r}/policy/train", policy.tokenizer, bar.training_callback())
+    policy.policy_id = f"round-{r}"
+    policy.save(run.checkpoint_dir(f"round-{r}"))
+    return {**stats, "samples": len(samples),
+            "old_vs_behaviour_abs_diff": sum(diffs) / len(diffs) if diffs else 0.0}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Step 6: evaluation ('w/o PI': critic reranking)
+
+
+class RerankActor:
+    """'w/o PI': the policy samples N replies per step; the critic keeps argmax min_i Q_i(s_t, a) unexecuted."""
+
+    source = "self"
+
+    def __init__(self, policy: TransformersPolicy, critic: Critic, instruction: str, window: int, n: int,
+                 sampling: Sampling, max_length: int) -> None:
+        self.policy, self.critic, self.instruction, self.window = policy, critic, instruction, window
+        self.n, self.sampling, self.max_length = n, sampling, max_length
+        self.policy_id = f"{policy.policy_id}+rerank{n}"
+        self._calls = 0
+
+    def needs_plan(self) -> bool:
+        return False
+
+    def critic_prompt(self, ep: Any) -> list[int]:
+        """The full-history prompt the critic reads (as in training: no window)."""
+        messages = build_messages(self.instruction, ep.goal, ep.first_obs, ep.history, max(1, len(ep.history)),
+                                  prefix=ep.request.prefix)
+        return self.policy.renderer.render(messages, add_generation_prompt=True).ids
+
+    def act(self, episodes: list[Any]) -> list[Generation]:
+        """Sample N candidates per episode, score each with the critic, return the best."""
+        actor = PolicyActor(self.policy, self.instruction, self.window, self.sampling)
+        prompts = [actor.prompt_ids(ep) for ep in episodes]
+        sampling = self.sampling
+        if sampling.seed is not None:
+            sampling = dataclasses.replace(sampling, seed=sampling.seed + self._calls)
+        self._calls += 1
+        cands = self.policy.generate([p for p in prompts for _ in range(self.n)], sampling)
+        rows = []
+        for i, ep in enumerate(episodes):
+            base = self.critic_prompt(ep)
+            for gen in cands[i * self.n : (i + 1) * self.n]:
+                seq = base + list(gen.token_ids)
+                rows.append(seq[-self.max_length :])
+        scores = self.critic.score(rows, self.policy.pad_id).view(len(episodes), self.n)
+        best = scores.argmax(dim=1).tolist()
+        return [cands[i * self.n + b] for i, b in enumerate(best)]
+
+
+def evaluate_actor(run: Any, actor: Any, label: str) -> dict[str, dict[str, Any]]:
+    """run.evaluate for any actor: greedy splits, stored as eval/LABEL/SPLIT, metrics per split."""
+    out = {}
+    for split in run.cfg.eval.splits:
+        tasks = run.tasks(split, run.cfg.eval.n_tasks)
+        requests = [EpisodeRequest(t, k) for k, t in enumerate(tasks)]
+        trajs = run.collect(actor, requests, f"eval/{label}/{split}", f"eval {label} on {split}")
+        metrics = {**summarize(trajs), "task_hash": tasks.hash, "split": split}
+        run.logger.log(f"eval/{label}/{split}", 0, {k: v for k, v in metrics.items() if k != "split"})
+        out[split] = metrics
+    return out
+
+
+def evaluate_round(run: Any, r: int) -> dict[str, dict[str, Any]]:
+    """Greedy evaluation of pi_r (or, with pi=none, pi_BC with the round-r critic reranking candidates)."""
+    cfg, q = run.cfg, run.cfg.qevolve
+    if q.pi != "none":
+        return run.evaluate(load_round_policy(run, r), f"round-{r}")
+    critic, policy = load_round_critic(run, r)  # policy = pi_0 = pi_BC
+    sampling = Sampling(q.rerank_temperature, cfg.rollout.top_p, cfg.agent.max_new_tokens, seed=cfg.seed + 104729 * r)
+    actor = RerankActor(policy, critic, run.signal_env.instruction(), cfg.agent.history_window, q.rerank_n,
+                        sampling, cfg.optim.max_length)
+    return evaluate_actor(run, actor, f"round-{r}")
+
+
+def plot_rounds(run: Any) -> list[str]:
+    """plots/qevolve_rounds.png: success per round against cumulative env steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    q = run.cfg.qevolve
+    points: dict[str, list[tuple[float, float]]] = {}
+    for r in range(0, q.n_iters + 1):
+        key = "eval/bc" if r == 0 else f"eval/round-{r}"
+        steps = 0 if r == 0 else run.state.get(f"round-{r}/label", {}).get("env_steps_cumulative", 0)
+        if r == 0:
+            steps = run.state.get("round-1/label", {}).get("env_steps_expert", 0)
+        for split, m in (run.state.get(key) or {}).items():
+            points.setdefault(split, []).append((steps, 100 * m["success_rate"]))
+    if not points:
+        return []
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for split, pts in points.items():
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=split)
+    ax.set_xlabel("cumulative env steps (expert + self)")
+    ax.set_ylabel("success rate (%)")
+    ax.set_title("Q-Evolve: BC, then one point per round")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = run.dir / "plots" / "qevolve_rounds.png"
+    path.parent.mkdir(exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [str(path.relative_to(run.dir))]
