@@ -1,4 +1,4 @@
-"""Steps per second of the pure-Python text environments (local WebShop, SearchQA), replaying their experts.
+"""Steps per second of the fast text environments (TextWorldExpress, local WebShop, SearchQA), replaying their experts.
 
 Usage: python bench/bench_text_envs.py [--splits train dev test] [--repeats 3]
 """
@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from agentevo.envs.searchqa import SearchQAEnv
+from agentevo.envs.textworld_express import CookingWorldEnv, TWCEnv
 from agentevo.envs.webshop import WebShopEnv
 
 
@@ -24,11 +25,11 @@ def replay(env: Any, splits: list[str], repeats: int) -> dict[str, float]:
             t0 = time.perf_counter()
             env.reset(task)
             for action in actions:
-                _, r, _, _ = env.step(action)
+                _, _, _, info = env.step(action)
             elapsed += time.perf_counter() - t0
             steps += len(actions)
             episodes += 1
-            reward += r
+            reward += info["score"]
     return {"episodes": episodes, "steps": steps, "seconds": elapsed, "steps_per_s": steps / elapsed,
             "episodes_per_s": episodes / elapsed, "mean_reward": reward / episodes}
 
@@ -39,7 +40,13 @@ def main() -> None:
     ap.add_argument("--splits", nargs="+", default=["train", "dev", "test"])
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    for name, make in (("webshop(local)", lambda: WebShopEnv(backend="local")), ("searchqa", SearchQAEnv)):
+    envs = (
+        ("twx-cookingworld", lambda: CookingWorldEnv(n_train=50, n_dev=50, n_test=50)),
+        ("twx-twc", lambda: TWCEnv(n_train=50, n_dev=50, n_test=50)),
+        ("webshop(local)", lambda: WebShopEnv(backend="local")),
+        ("searchqa", SearchQAEnv),
+    )
+    for name, make in envs:
         t0 = time.perf_counter()
         env = make()
         build = time.perf_counter() - t0
@@ -47,8 +54,9 @@ def main() -> None:
         print(
             f"{name:15s} build {build * 1000:7.1f} ms | {res['episodes']:5d} episodes {res['steps']:6d} steps "
             f"in {res['seconds']:6.2f} s | {res['steps_per_s']:9.0f} steps/s {res['episodes_per_s']:8.0f} episodes/s "
-            f"| expert mean reward {res['mean_reward']:.3f}"
+            f"| expert mean final score {res['mean_reward']:.3f}"
         )
+        env.close()
 
 
 if __name__ == "__main__":

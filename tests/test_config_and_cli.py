@@ -71,3 +71,24 @@ def test_envs_list(capsys) -> None:  # noqa: ANN001
     out = capsys.readouterr().out
     for name in ("twx-cookingworld", "scienceworld", "alfworld", "webshop", "searchqa"):
         assert name in out
+
+
+def test_env_parameter_of_another_environment(capsys, tmp_path) -> None:  # noqa: ANN001
+    # the demo config's TextWorldExpress parameters do not fit SearchQA: the error names the parameter and the fix
+    err = _one_line_error(capsys, ["train", "--config", "configs/demo_twx_bc.yaml", "--set", "env.name=searchqa",
+                                   "--output-dir", str(tmp_path)])
+    assert "has no parameter 'game_params'" in err and "env.params" in err and "corpus_path" in err
+
+
+def test_envs_show_and_play(capsys, monkeypatch) -> None:  # noqa: ANN001
+    assert main(["envs", "show", "searchqa"]) == 0
+    out = capsys.readouterr().out
+    assert "search[" in out and "hash" in out and "test" in out
+    from agentevo.envs import make_env
+
+    env = make_env("searchqa")
+    task = env.tasks("train")[0]
+    answers = iter(env.expert(task))
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(answers))
+    assert main(["envs", "play", "searchqa", "--split", "train", "--task", "0"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("success")

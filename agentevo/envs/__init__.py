@@ -63,7 +63,17 @@ def make_env(name: str, **params: Any) -> TextEnv:
         if exc.name and exc.name.startswith("agentevo"):
             raise ConfigError(f"environment {name!r} is registered but not implemented in this version") from exc
         raise
-    return getattr(module, cls_name)(**params)
+    cls = getattr(module, cls_name)
+    import inspect
+
+    accepted = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "args", "kwargs")]
+    unknown = sorted(set(params) - set(accepted))
+    if unknown:
+        raise ConfigError(
+            f"environment {name!r} has no parameter {unknown[0]!r} (check env.params in your config); "
+            f"its parameters are: {', '.join(accepted)}"
+        )
+    return cls(**params)
 
 
 __all__ = ["ENVIRONMENTS", "SPLITS", "Task", "TaskList", "TextEnv", "env_names", "make_env"]
