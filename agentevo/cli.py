@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -195,5 +196,16 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def entry() -> None:
+    """Console-script entry: exit with main()'s status."""
+    code = main()
+    if "fast_downward" in sys.modules:
+        # ALFWorld's planner library (ctypes) segfaults in native teardown at exit: leave without it
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

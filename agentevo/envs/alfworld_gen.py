@@ -20,6 +20,8 @@ import functools
 import json
 import os
 import random
+import subprocess
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -397,11 +399,24 @@ def traj_data(spec: GameSpec, desc: str) -> dict[str, Any]:
     }
 
 
-def _solve(gamefile: Path, planfile: Path) -> list[str]:
+def _solve_here(gamefile: str, planfile: str) -> list[str]:
     """Planner walkthrough (found on planfile) if replaying it in gamefile through ALFWorld's wrappers wins."""
     from agentevo.envs.alfworld import replay_walkthrough  # local import: alfworld.py imports this module
 
-    return replay_walkthrough(gamefile, planfile)
+    return replay_walkthrough(Path(gamefile), Path(planfile))
+
+
+def _solve(gamefile: Path, planfile: Path) -> list[str]:
+    """_solve_here in a child interpreter: after fast-downward has planned, the interpreter that ran it segfaults
+    in native teardown at exit, which would turn every successful run into exit status 139."""
+    out = subprocess.run(
+        [sys.executable, "-m", "agentevo.envs.alfworld_gen", "--solve", str(gamefile), str(planfile)],
+        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    lines = [line for line in out.stdout.splitlines() if line.startswith("WALKTHROUGH ")]
+    if not lines:
+        raise RuntimeError(f"the ALFWorld planner process failed (exit {out.returncode}): {out.stderr[-2000:]}")
+    return list(json.loads(lines[-1][len("WALKTHROUGH ") :]))
 
 
 _WRITE_LOCK = threading.Lock()
@@ -475,3 +490,10 @@ def generate(root: Path | str | None, split: str, n: int, seed: int = 0) -> list
     """Generate (or reuse from the cache) the first n games of a split; returns their game files in order."""
     root = Path(root) if root is not None else DEFAULT_CACHE_DIR / f"seed{seed}"
     return [generate_game(spec, root) for spec in plan_split(split, n, seed)]
+
+
+if __name__ == "__main__":
+    # `python -m agentevo.envs.alfworld_gen --solve GAME PLAN`: the planner process used by _solve
+    if len(sys.argv) == 4 and sys.argv[1] == "--solve":
+        print("WALKTHROUGH " + json.dumps(_solve_here(sys.argv[2], sys.argv[3])), flush=True)
+        os._exit(0)  # skip the native teardown that crashes after planning

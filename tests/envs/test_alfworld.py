@@ -247,6 +247,7 @@ def test_real_data_layout_through_alfworld_data(
 
 
 @needs_alfworld
+@pytest.mark.slow  # the stock path reloads fast-downward's library per game; many loads in one process can crash it
 def test_fast_path_matches_stock_textworld(gen_env: aw.ALFWorldEnv) -> None:
     """The parse / translation caches and the command memo change speed only: same text, same commands."""
     tasks = [t for t in gen_env.tasks("dev") if t.task_type in ("look_at_obj_in_light", "pick_two_obj_and_place")]
