@@ -45,7 +45,9 @@ def test_killed_run_resumes_and_reports(tmp_path) -> None:  # noqa: ANN001
     os.killpg(proc.pid, signal.SIGKILL)  # the JVMs go too, as in a real crash
     proc.wait()
     before = _rows(db)
-    assert any(r[1] == "expert" for r in before) and 2 <= sum(r[1] == "eval/init/test" for r in before) < 6
+    # killed somewhere after the untrained eval started storing and before the run finished
+    assert any(r[1] == "expert" for r in before) and sum(r[1] == "eval/init/test" for r in before) >= 2
+    assert sum(r[1] == "eval/bc/test" for r in before) < 6
 
     out = subprocess.run([sys.executable, "-m", "agentevo.cli", "resume", str(tmp_path / "r"), "--quiet"], env=env,
                          capture_output=True, text=True, timeout=600)
