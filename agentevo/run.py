@@ -214,14 +214,19 @@ class Run:
     def evaluate(self, policy: TransformersPolicy, label: str, splits: list[str] | None = None,
                  prefix_fn: Callable[[Any], str] | None = None) -> dict[str, dict[str, Any]]:
         """Greedy evaluation on the fixed splits; metrics per split (stored as collection eval/LABEL/SPLIT)."""
+        actor = self.actor(policy, Sampling(temperature=0.0, max_new_tokens=self.cfg.agent.max_new_tokens))
+        return self.evaluate_actor(actor, label, splits, prefix_fn=prefix_fn)
+
+    def evaluate_actor(self, actor: Any, label: str, splits: list[str] | None = None, pool: Any = None,
+                       prefix_fn: Callable[[Any], str] | None = None,
+                       extra: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+        """Evaluate any actor on the fixed splits (eval/LABEL/SPLIT); `extra` is added to each split's metrics."""
         out = {}
         for split in splits or self.cfg.eval.splits:
-            n = self.cfg.eval.n_tasks
-            tasks = self.tasks(split, n)
-            actor = self.actor(policy, Sampling(temperature=0.0, max_new_tokens=self.cfg.agent.max_new_tokens))
+            tasks = self.tasks(split, self.cfg.eval.n_tasks)
             requests = [EpisodeRequest(t, k, prefix=prefix_fn(t) if prefix_fn else "") for k, t in enumerate(tasks)]
-            trajs = self.collect(actor, requests, f"eval/{label}/{split}", f"eval {label} on {split}")
-            metrics = {**summarize(trajs), "task_hash": tasks.hash, "split": split}
+            trajs = self.collect(actor, requests, f"eval/{label}/{split}", f"eval {label} on {split}", pool=pool)
+            metrics = {**summarize(trajs), "task_hash": tasks.hash, "split": split, **(extra or {})}
             self.logger.log(f"eval/{label}/{split}", 0, {k: v for k, v in metrics.items() if k != "split"})
             out[split] = metrics
         return out

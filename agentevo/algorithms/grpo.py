@@ -290,15 +290,7 @@ def rollout_stats(trajs: Sequence[Trajectory]) -> dict[str, float]:
 def evaluate_with(run: Any, actor: Any, label: str, pool: Any, extra: dict[str, Any] | None = None
                   ) -> dict[str, dict[str, Any]]:
     """Greedy evaluation like Run.evaluate, with a given actor and env pool; `extra` is added to each split."""
-    out = {}
-    for split in run.cfg.eval.splits:
-        tasks = run.tasks(split, run.cfg.eval.n_tasks)
-        requests = [EpisodeRequest(t, k) for k, t in enumerate(tasks)]
-        trajs = run.collect(actor, requests, f"eval/{label}/{split}", f"eval {label} on {split}", pool=pool)
-        metrics = {**summarize(trajs), "task_hash": tasks.hash, "split": split, **(extra or {})}
-        run.logger.log(f"eval/{label}/{split}", 0, {k: v for k, v in metrics.items() if k != "split"})
-        out[split] = metrics
-    return out
+    return run.evaluate_actor(actor, label, pool=pool, extra=extra)
 
 
 def plot_success_vs_env_steps(run: Any, points: list[tuple[str, dict[str, dict[str, Any]]]], name: str) -> Path | None:

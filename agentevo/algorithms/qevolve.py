@@ -611,15 +611,7 @@ class RerankActor:
 
 def evaluate_actor(run: Any, actor: Any, label: str) -> dict[str, dict[str, Any]]:
     """run.evaluate for any actor: greedy splits, stored as eval/LABEL/SPLIT, metrics per split."""
-    out = {}
-    for split in run.cfg.eval.splits:
-        tasks = run.tasks(split, run.cfg.eval.n_tasks)
-        requests = [EpisodeRequest(t, k) for k, t in enumerate(tasks)]
-        trajs = run.collect(actor, requests, f"eval/{label}/{split}", f"eval {label} on {split}")
-        metrics = {**summarize(trajs), "task_hash": tasks.hash, "split": split}
-        run.logger.log(f"eval/{label}/{split}", 0, {k: v for k, v in metrics.items() if k != "split"})
-        out[split] = metrics
-    return out
+    return run.evaluate_actor(actor, label)
 
 
 def evaluate_round(run: Any, r: int) -> dict[str, dict[str, Any]]:

@@ -29,7 +29,6 @@ from agentevo.data.store import content_words
 from agentevo.data.tensors import StepSample
 from agentevo.data.types import Trajectory
 from agentevo.errors import ConfigError
-from agentevo.eval.metrics import summarize
 from agentevo.models.backend import Sampling
 from agentevo.rollout.engine import Episode, EpisodeRequest, PolicyActor
 
@@ -485,17 +484,9 @@ class ContextActor(PolicyActor):
 def evaluate_with_context(run: Any, policy: Any, label: str, splits: Sequence[str], ctx_fn: Callable[[Episode], str],
                           position: str) -> dict[str, dict[str, Any]]:
     """Greedy evaluation with a context in the prompt (collections eval/LABEL/SPLIT), like Run.evaluate."""
-    out = {}
-    for split in splits:
-        tasks = run.tasks(split, run.cfg.eval.n_tasks)
-        actor = ContextActor(policy, run.signal_env.instruction(), run.cfg.agent.history_window,
-                             Sampling(temperature=0.0, max_new_tokens=run.cfg.agent.max_new_tokens), ctx_fn, position)
-        trajs = run.collect(actor, [EpisodeRequest(t, k) for k, t in enumerate(tasks)], f"eval/{label}/{split}",
-                            f"eval {label} on {split}")
-        metrics = {**summarize(trajs), "task_hash": tasks.hash, "split": split}
-        run.logger.log(f"eval/{label}/{split}", 0, {k: v for k, v in metrics.items() if k != "split"})
-        out[split] = metrics
-    return out
+    actor = ContextActor(policy, run.signal_env.instruction(), run.cfg.agent.history_window,
+                         Sampling(temperature=0.0, max_new_tokens=run.cfg.agent.max_new_tokens), ctx_fn, position)
+    return run.evaluate_actor(actor, label, list(splits))
 
 
 def pre_action_context_fn(bank: Sequence[Trajectory], lessons: dict[str, str], rule: ContextRule, rsd: Any,
