@@ -129,6 +129,8 @@ class RolloutConfig:
 
     n_parallel: int = _help("environments stepped at once (generation is batched across them)", 16)
     batch_size: int = _help("largest generation batch", 16)
+    prefix_cache: int = _help("finished sequences whose keys/values the transformers backend keeps so the next turn "
+                              "of an episode only runs its new tokens (0 = off)", 64)
     workers: str = _help("environment workers: 'thread', 'process' or 'ray' (Ray actors; RAY_ADDRESS names the "
                          "cluster, else a local Ray is started)", "thread")
     temperature: float = _help("sampling temperature for collection (evaluation is greedy)", 0.7)
@@ -140,6 +142,8 @@ class RolloutConfig:
             raise ConfigError(f"rollout.workers must be one of {', '.join(WORKERS)} (got {self.workers!r})")
         if self.n_parallel < 1 or self.batch_size < 1:
             raise ConfigError("rollout.n_parallel and rollout.batch_size must be >= 1")
+        if self.prefix_cache < 0:
+            raise ConfigError(f"rollout.prefix_cache must be >= 0 (0 turns it off; got {self.prefix_cache})")
         if self.temperature < 0:
             raise ConfigError(f"rollout.temperature must be >= 0 (got {self.temperature})")
         if not 0 < self.top_p <= 1:
@@ -195,6 +199,9 @@ class BCConfig:
     """Behaviour cloning on expert demos."""
 
     n_expert: int | None = _help("expert demos (one per training task, first n tasks; null = env.n_train)", None)
+    warm_start_from: str | None = _help(
+        "an earlier run folder whose expert demos, init/bc checkpoints and their evaluations this run starts from "
+        "(same env and agent settings; lets every method of a study share one BC model)", None)
 
 
 @dataclass

@@ -137,7 +137,9 @@ class Run:
         if not path.exists():
             path = self.checkpoint_dir(str(name_or_path))
         model, tokenizer = load_pretrained(path)
-        return TransformersPolicy(model, tokenizer, policy_id or path.name, batch_size=self.cfg.rollout.batch_size)
+        return TransformersPolicy(
+            model, tokenizer, policy_id or path.name, self.cfg.rollout.batch_size, self.cfg.rollout.prefix_cache
+        )
 
     def rollout_policy(self, name_or_path: str | Path, policy_id: str | None = None) -> Any:
         """The policy that acts (rollouts, evaluation) with model.backend: transformers, vLLM or HTTP.

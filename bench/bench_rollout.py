@@ -1,7 +1,8 @@
 """Rollout throughput: the batched engine (N envs, one batched generation per turn) vs one env at a time.
 
-Same model, same tasks, greedy decoding, measured side by side in one run. Prints environment steps per second
-for each and their ratio (median of --repeats runs each).
+Same model, same tasks, greedy decoding, measured side by side in one run, with the cross-turn prefix KV cache of
+the transformers backend on and off. Prints environment steps per second for each and their ratios (median of
+--repeats runs each; every measurement starts with an empty cache).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_rollout.py --model runs/NAME/checkpoints/bc
 Without --model it first trains the tiny model by BC on a few demos (about a minute) so the policy acts.
@@ -63,25 +64,36 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-steps", type=int, default=10)
+    parser.add_argument("--window", type=int, default=20, help="history window of the prompts")
     args = parser.parse_args()
     torch.set_num_threads(1)
     model_path = Path(args.model) if args.model else quick_bc_model(Path(tempfile.mkdtemp()))
     model, tokenizer = load_pretrained(model_path)
-    policy = TransformersPolicy(model, tokenizer, "bench", batch_size=args.parallel)
+    cached = TransformersPolicy(model, tokenizer, "bench", batch_size=args.parallel, prefix_cache=2 * args.parallel)
+    plain = TransformersPolicy(model, tokenizer, "bench", batch_size=args.parallel, prefix_cache=0)
     from agentevo.envs import make_env
 
     env = make_env("twx-cookingworld", n_test=args.tasks, max_steps=args.max_steps)
     tasks = list(env.tasks("test"))
-    rates: dict[int, list[float]] = {1: [], args.parallel: []}
+    modes = [("cache", args.parallel), ("cache", 1), ("no cache", args.parallel), ("no cache", 1)]
+    rates: dict[tuple[str, int], list[float]] = {m: [] for m in modes}
     for r in range(args.repeats):
-        for n in (args.parallel, 1):
-            seconds, steps = measure(policy, env, tasks, n, 20, 32)
-            rates[n].append(steps / seconds)
-            print(f"repeat {r}: {n:2d} env(s) in flight: {steps} env steps in {seconds:6.1f} s = {steps / seconds:7.1f} steps/s")
+        for mode in modes:
+            policy = cached if mode[0] == "cache" else plain
+            if policy.kv_cache is not None:
+                policy.kv_cache.clear()  # every measurement starts cold
+            seconds, steps = measure(policy, env, tasks, mode[1], args.window, 32)
+            rates[mode].append(steps / seconds)
+            print(f"repeat {r}: {mode[0]:>8}, {mode[1]:2d} env(s) in flight: {steps} env steps in {seconds:6.1f} s "
+                  f"= {steps / seconds:7.1f} steps/s", flush=True)
     env.close()
-    batched, single = statistics.median(rates[args.parallel]), statistics.median(rates[1])
-    print(f"\nmedian steps/s: batched ({args.parallel} envs) {batched:.1f} | one at a time {single:.1f} | "
-          f"ratio {batched / single:.2f}x  (target >= 4x)")
+    med = {m: statistics.median(v) for m, v in rates.items()}
+    print(f"\nmedian env steps/s ({args.tasks} tasks, window {args.window}, {torch.get_num_threads()} torch thread(s)):")
+    for kind in ("cache", "no cache"):
+        b, s1 = med[(kind, args.parallel)], med[(kind, 1)]
+        print(f"  {kind:>8}: batched ({args.parallel} envs) {b:6.1f} | one at a time {s1:6.1f} | ratio {b / s1:.2f}x")
+    print(f"  batched with cache vs one at a time without (the engine before prefix caching): "
+          f"{med[('cache', args.parallel)] / med[('no cache', 1)]:.2f}x   (target >= 4x batched vs one at a time)")
 
 
 if __name__ == "__main__":

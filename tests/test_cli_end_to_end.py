@@ -60,6 +60,27 @@ def test_killed_run_resumes_and_reports(tmp_path) -> None:  # noqa: ANN001
     assert (tmp_path / "r" / "plots" / "success.png").exists()
     assert (tmp_path / "r" / "checkpoints" / "bc" / "model.safetensors").exists()
     assert "success" in out.stdout and "bc" in out.stdout  # the closing summary table
+    _check_warm_start_from(tmp_path, env)
+
+
+def _check_warm_start_from(tmp_path: Path, env: dict[str, str]) -> None:
+    """A second run starts from the finished BC run: demos of its (fewer) training tasks, checkpoints, evals."""
+    import json
+
+    base = [sys.executable, "-m", "agentevo.cli", "train", *SMALL, "--output-dir", str(tmp_path),
+            "--set", f"bc.warm_start_from={tmp_path / 'r'}", "--set", "env.n_train=2"]
+    out = subprocess.run([*base, "--name", "w"], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    state = json.loads((tmp_path / "w" / "state.json").read_text())
+    source = json.loads((tmp_path / "r" / "state.json").read_text())
+    assert state["eval/bc"] == source["eval/bc"] and state["bc"] == source["bc"]
+    assert state["expert"]["n"] == 2 and _count(tmp_path / "w" / "experience.db", "expert") == 2
+    assert _count(tmp_path / "w" / "experience.db", "eval/bc/test") == 0  # nothing was re-run
+    assert (tmp_path / "w" / "checkpoints" / "bc" / "model.safetensors").exists()
+    bad = subprocess.run([*base, "--name", "x", "--set", "agent.max_new_tokens=7"], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode != 0
+    assert "agent.max_new_tokens is 7 here but 6" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_checkpoint_loads_with_plain_transformers(tmp_path) -> None:  # noqa: ANN001

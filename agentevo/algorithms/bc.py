@@ -8,13 +8,19 @@ tokenizer trained on the demos' text, or a local model); 3. evaluate it; 4. trai
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from agentevo.algorithms import losses
+from agentevo.data.store import ExperienceStore
 from agentevo.data.tensors import StepSample, reply_logprobs, trajectory_samples
 from agentevo.data.types import Trajectory
+from agentevo.errors import ConfigError
 from agentevo.models.backend import TransformersPolicy
 from agentevo.models.policy import initial_policy, tokenizer_corpus, with_lora
 from agentevo.rollout.engine import EpisodeRequest, ExpertActor
@@ -85,6 +91,8 @@ def warm_start(run: Any) -> dict[str, Any]:
     call this first and a resumed run skips what is done. Returns each phase's result.
     """
     cfg = run.cfg
+    if cfg.bc.warm_start_from:
+        run.phase("warm_start_from", lambda: import_warm_start(run, Path(cfg.bc.warm_start_from)))
     n_expert = cfg.bc.n_expert or cfg.env.n_train
     demos = run.phase("expert", lambda: _expert_stats(collect_expert(run, n_expert)))
     trajs = run.store.load(collection="expert")
@@ -105,6 +113,53 @@ def warm_start(run: Any) -> dict[str, Any]:
     results["bc"] = run.phase("bc", do_bc)
     results["eval/bc"] = run.phase("eval/bc", lambda: run.evaluate(run.load_policy("bc"), "bc"))
     return results
+
+
+WARM_START_PHASES = ("expert", "init", "eval/init", "bc", "eval/bc")
+
+
+def import_warm_start(run: Any, source: Path) -> dict[str, Any]:
+    """Copy a finished BC run's demos, init/bc checkpoints and phase results into this run (its phases are then
+    skipped). The environment and agent settings must match, or the evaluations would not be comparable; only
+    env.n_train may be smaller (the demos of this run's training tasks are copied)."""
+    state_path, config_path = source / "state.json", source / "config.yaml"
+    if not state_path.exists() or not config_path.exists():
+        raise ConfigError(f"bc.warm_start_from: {str(source)!r} is not a run folder; give runs/NAME of a BC run")
+    state = json.loads(state_path.read_text())
+    missing = [p for p in WARM_START_PHASES if p not in state]
+    if missing:
+        raise ConfigError(f"bc.warm_start_from: run {str(source)!r} has not finished {', '.join(missing)}; "
+                          f"finish it with `agentevo resume {source}`")
+    theirs = yaml.safe_load(config_path.read_text())
+    ours = yaml.safe_load((run.dir / "config.yaml").read_text())
+    for section, keys in (("env", None), ("agent", None), ("model", ("path", "tiny", "gguf_file"))):
+        a, b = ours.get(section, {}), theirs.get(section, {})
+        for key in keys or sorted(set(a) | set(b)):
+            if (section, key) == ("env", "n_train") and a.get(key, 0) <= b.get(key, 0):
+                continue  # a study may evolve on the first n training tasks of a BC run trained on more
+            if a.get(key) != b.get(key):
+                raise ConfigError(f"bc.warm_start_from: {section}.{key} is {a.get(key)!r} here but "
+                                  f"{b.get(key)!r} in {str(source)!r}; use the same setting or another BC run")
+    src_store = ExperienceStore(source / "experience.db")
+    try:
+        experts = src_store.load(collection="expert")
+    finally:
+        src_store.close()
+    train_ids = {t.task_id for t in run.tasks("train")}
+    experts = [t for t in experts if t.task.task_id in train_ids]
+    done = run.store.done_slots("expert")
+    for slot, traj in enumerate(experts):
+        if slot not in done:
+            run.store.add(traj, "expert", slot)
+    for name in ("init", "bc"):
+        target = run.checkpoint_dir(name)
+        if target.exists():
+            shutil.rmtree(target)
+        shutil.copytree(source / "checkpoints" / name, target)
+    run.state.setdefault("expert", {**_expert_stats(experts), "imported_from": str(source)})
+    for phase in WARM_START_PHASES[1:]:
+        run.state.setdefault(phase, state[phase])
+    return {"source": str(source), "expert": len(experts)}
 
 
 def _expert_stats(trajs: list[Trajectory]) -> dict[str, Any]:

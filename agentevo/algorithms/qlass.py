@@ -169,26 +169,6 @@ def diversity_suffix(actions: list[str]) -> str:
     return f"\nYou have given the following answers.\n{listed}Please provide a reasonable response different from previous answers."
 
 
-class _TopK:
-    """A model proxy whose sampling keeps only the top-k tokens (the Sampling dataclass has no top_k)."""
-
-    def __init__(self, model: Any, k: int) -> None:
-        self._model, self._k = model, k
-
-    def generate(self, **kwargs: Any) -> Any:
-        if kwargs.get("do_sample"):
-            kwargs["top_k"] = self._k
-        return self._model.generate(**kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._model, name)
-
-
-def explore_policy(policy: TransformersPolicy, top_k: int) -> TransformersPolicy:
-    """The same weights, sampling from the top-k tokens."""
-    return TransformersPolicy(_TopK(policy.model, top_k), policy.tokenizer, policy.policy_id, policy.batch_size)
-
-
 class ReplayActor:
     """Replays each episode's forced replies (the path to its branch node and the branch), then samples."""
 
@@ -235,8 +215,8 @@ def build_trees(run: Any, policy: TransformersPolicy) -> tuple[list[Tree], dict[
     experts = run.store.load(collection="expert")
     n_tasks = q.n_tree_tasks or cfg.bc.n_expert or cfg.env.n_train
     trees = [Tree(_fill_expert_ids(policy, e)) for e in experts[:n_tasks]]
-    sampler = explore_policy(policy, q.explore_top_k)
-    sampling = Sampling(q.explore_temperature, q.explore_top_p, cfg.agent.max_new_tokens)
+    sampler = policy
+    sampling = Sampling(q.explore_temperature, q.explore_top_p, cfg.agent.max_new_tokens, top_k=q.explore_top_k)
     queue: list[tuple[int, Node]] = [(k, tree.root) for k, tree in enumerate(trees)]
     experts_added = not q.expert_branches
     stats = {"waves": 0, "episodes": 0, "resets": 0, "env_steps": 0, "replay_steps": 0, "duplicates": 0,

@@ -12,6 +12,7 @@ import torch
 
 from agentevo.agent.chat import ChatRenderer
 from agentevo.errors import ConfigError
+from agentevo.models.prefix_cache import PrefixKVCache, generate_cached, supports_prefix_cache
 
 
 def _quiet_transformers() -> None:
@@ -32,6 +33,7 @@ class Sampling:
     top_p: float = 1.0
     max_new_tokens: int = 48
     seed: int | None = None
+    top_k: int = 0  # sample from the k most likely tokens only (0 = all)
 
     @property
     def greedy(self) -> bool:
@@ -62,7 +64,10 @@ def set_torch_threads(threads: int | None) -> int:
 class TransformersPolicy:
     """A causal LM from transformers acting as a policy: generate(), token_logprobs(), save()."""
 
-    def __init__(self, model: Any, tokenizer: Any, policy_id: str = "init", batch_size: int = 16) -> None:
+    def __init__(
+        self, model: Any, tokenizer: Any, policy_id: str = "init", batch_size: int = 16, prefix_cache: int = 64
+    ) -> None:
+        """prefix_cache: sequences whose keys/values are kept for reuse across turns (0 = off, plain generate)."""
         self.model = model
         self.tokenizer = tokenizer
         self.renderer = ChatRenderer(tokenizer)
@@ -71,6 +76,7 @@ class TransformersPolicy:
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         self.pad_id = int(tokenizer.pad_token_id)
+        self.kv_cache = PrefixKVCache(model, prefix_cache) if prefix_cache > 0 and supports_prefix_cache(model) else None
 
     @property
     def device(self) -> torch.device:
@@ -86,9 +92,27 @@ class TransformersPolicy:
         out: list[Generation | None] = [None] * len(prompts)
         for start in range(0, len(order), self.batch_size):
             chunk = order[start : start + self.batch_size]
-            for i, gen in zip(chunk, self._generate_batch([prompts[i] for i in chunk], sampling), strict=True):
+            batch = [prompts[i] for i in chunk]
+            gens = self._generate_cached(batch, sampling) if self._cache_usable() else self._generate_batch(batch, sampling)
+            for i, gen in zip(chunk, gens, strict=True):
                 out[i] = gen
         return [g for g in out if g is not None]
+
+    def _cache_usable(self) -> bool:
+        if self.kv_cache is None:
+            return False
+        if self.kv_cache.model is not self.model:  # the model was swapped (e.g. wrapped with LoRA)
+            self.kv_cache = PrefixKVCache(self.model, self.kv_cache.capacity)
+        return True
+
+    def _generate_cached(self, prompts: list[list[int]], sampling: Sampling) -> list[Generation]:
+        assert self.kv_cache is not None
+        replies = generate_cached(
+            self.model, self.kv_cache, prompts, sampling.max_new_tokens,
+            0.0 if sampling.greedy else sampling.temperature, sampling.top_p, sampling.top_k, self.renderer.stop_ids,
+            self.pad_id,
+        )
+        return [Generation(ids, logps, self.renderer.decode(ids)) for ids, logps in replies]
 
     def _generate_batch(self, prompts: list[list[int]], sampling: Sampling) -> list[Generation]:
         width = max(len(p) for p in prompts)
@@ -108,7 +132,8 @@ class TransformersPolicy:
         if sampling.greedy:
             kwargs.update(do_sample=False, temperature=None, top_p=None)
         else:
-            kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p)
+            kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
+                          top_k=sampling.top_k or None)
         result = self.model.generate(
             input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device), **kwargs
         )

@@ -25,6 +25,7 @@ must refuse steps whose logprobs are None.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -155,6 +156,8 @@ class HTTPPolicy:
                                   "top_p": 1.0 if sampling.greedy else sampling.top_p}
         if sampling.seed is not None:
             fields["seed"] = sampling.seed
+        if sampling.top_k > 0 and not sampling.greedy:
+            fields["top_k"] = sampling.top_k  # an extension vLLM, SGLang and our server accept; OpenAI does not
         return fields
 
     def _text_only(self, text: str, finish_reason: str | None) -> Generation:
@@ -239,11 +242,10 @@ class HTTPChatActor:
         return [{"role": m.role, "content": next(texts) if m.role == "assistant" else m.text} for m in msgs]
 
     def act(self, episodes: list[Any]) -> list[Generation]:
-        from agentevo.models.backend import Sampling
 
         sampling = self.sampling
         if sampling.seed is not None:
-            sampling = Sampling(sampling.temperature, sampling.top_p, sampling.max_new_tokens, sampling.seed + self._calls)
+            sampling = dataclasses.replace(sampling, seed=sampling.seed + self._calls)
         self._calls += 1
         return self.policy.chat([self.messages(ep) for ep in episodes], sampling)
 

@@ -30,7 +30,7 @@ def initial_policy(cfg: RunConfig, corpus: list[str]) -> TransformersPolicy:
         tokenizer = train_tokenizer(corpus, cfg.model.tiny.vocab_size)
         model = build_tiny_model(cfg.model.tiny, tokenizer, cfg.seed)
     model.eval()
-    return TransformersPolicy(model, tokenizer, "init", batch_size=cfg.rollout.batch_size)
+    return TransformersPolicy(model, tokenizer, "init", cfg.rollout.batch_size, cfg.rollout.prefix_cache)
 
 
 def with_lora(policy: TransformersPolicy, cfg: RunConfig) -> Any:

@@ -47,6 +47,7 @@ def _sampling(body: dict[str, Any], default_max: int) -> Sampling:
         top_p=float(body.get("top_p", 1.0)),
         max_new_tokens=int(max_tokens),
         seed=None if seed is None else int(seed),
+        top_k=int(body.get("top_k", 0)),
     )
 
 

@@ -172,6 +172,7 @@ class VLLMPolicy:
             n=1,
             temperature=0.0 if sampling.greedy else sampling.temperature,
             top_p=1.0 if sampling.greedy else sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 and not sampling.greedy else -1,
             max_tokens=sampling.max_new_tokens,
             seed=seed,
             logprobs=0,  # the sampled token's own log-prob only

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -76,7 +77,7 @@ class PolicyActor:
         sampling = self.sampling
         if sampling.seed is not None:
             # A fresh seed per call keeps sampled rollouts reproducible for the same call sequence.
-            sampling = Sampling(sampling.temperature, sampling.top_p, sampling.max_new_tokens, sampling.seed + self._calls)
+            sampling = dataclasses.replace(sampling, seed=sampling.seed + self._calls)
         self._calls += 1
         return self.policy.generate(prompts, sampling)
 

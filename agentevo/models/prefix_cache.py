@@ -1,0 +1,243 @@
+"""Generation that reuses each episode's KV cache across turns.
+
+An agent's prompt at turn t is its prompt at turn t-1, the reply it generated, and the new observation: almost all
+of it was already run through the model one turn earlier. Re-running that prefix every turn made prefill dominate
+CPU rollouts. Here the keys/values of every finished reply (prompt + generated tokens) are kept, and a new prompt
+only runs the tokens after its longest common prefix with a kept entry (a sliding history window still reuses the
+instruction and goal). Rows of a batch may have different cached lengths: each row is laid out as
+[left pad][cached prefix][pad][new tokens] with an attention mask and explicit position ids, so one forward pass
+serves the whole batch, and finished rows leave the batch as soon as they stop.
+
+Entries are dropped whenever the model's weights change (parameter version counters move on every in-place
+update: optimizer steps, load_state_dict), so a trained policy never reads keys/values of its former self.
+Only models whose every layer is full attention are supported; others use transformers' generate.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values shaped [heads, length, head_dim]
+
+
+def supports_prefix_cache(model: Any) -> bool:
+    """True for decoder-only models whose layers are all full attention (no sliding window or hybrid layers)."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "is_encoder_decoder", False):
+        return False
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        return False
+    if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True):
+        return False
+    return True
+
+
+@dataclass
+class _Entry:
+    tokens: torch.Tensor  # 1-D token ids whose keys/values are in kv
+    kv: KV
+
+
+class PrefixKVCache:
+    """Keys/values of recent sequences, found by longest common prefix; cleared when the weights change."""
+
+    def __init__(self, model: Any, capacity: int = 64) -> None:
+        self.model = model
+        self.capacity = capacity
+        self.entries: OrderedDict[int, _Entry] = OrderedDict()
+        self._next = 0
+        self._fingerprint = self._weights_fingerprint()
+        self.hits = 0  # prompt tokens served from the cache
+        self.misses = 0  # prompt tokens run through the model
+
+    def _weights_fingerprint(self) -> tuple[int, int, float]:
+        """Version counters and addresses of the parameters, and a strided sample of their values (edits made
+        through `.data` skip the version counter)."""
+        params = list(self.model.parameters())
+        sample = sum(float(p.detach().reshape(-1)[:: max(1, p.numel() // 64)].double().sum()) for p in params)
+        return (sum(p._version for p in params), sum(p.data_ptr() for p in params), sample)
+
+    def check_weights(self) -> None:
+        """Drop every entry if any parameter was modified or replaced since the last check."""
+        now = self._weights_fingerprint()
+        if now != self._fingerprint:
+            self.clear()
+            self._fingerprint = now
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+    def lookup(self, prompt: torch.Tensor) -> tuple[int, int | None]:
+        """(length of the longest cached prefix of prompt, the entry holding it); (0, None) when nothing matches."""
+        best, best_key = 0, None
+        for key, entry in self.entries.items():
+            n = min(len(entry.tokens), len(prompt))
+            if n <= best:
+                continue
+            same = entry.tokens[:n] == prompt[:n]
+            lcp = n if bool(same.all()) else int((~same).int().argmax())
+            if lcp > best:
+                best, best_key = lcp, key
+        if best_key is not None:
+            self.entries.move_to_end(best_key)
+        return best, best_key
+
+    def prefix(self, key: int, length: int) -> KV:
+        return [(k[:, :length], v[:, :length]) for k, v in self.entries[key].kv]
+
+    def store(self, tokens: torch.Tensor, kv: KV, replaces: int | None) -> None:
+        """Keep kv for tokens; the entry it grew from is dropped when it is a prefix of tokens."""
+        if replaces is not None and replaces in self.entries:
+            old = self.entries[replaces].tokens
+            if len(old) <= len(tokens) and bool((tokens[: len(old)] == old).all()):
+                del self.entries[replaces]
+        self.entries[self._next] = _Entry(tokens, kv)
+        self._next += 1
+        while len(self.entries) > self.capacity:
+            self.entries.popitem(last=False)
+
+
+def _forward(model: Any, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> Any:
+    """model(...) with the cache under the keyword this transformers version uses."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps forward(**kwargs)
+    key = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+    return model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{key: cache})
+
+
+def _returned_cache(out: Any) -> Any:
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+def _cache_layers(cache: Any) -> list[Any]:
+    return list(cache.layers)
+
+
+def _batched_cache(rows: list[KV], width: int, like: torch.Tensor) -> Any:
+    """A DynamicCache of the rows' prefixes, left-padded to width (rows with no prefix are all padding)."""
+    from transformers import DynamicCache
+
+    n_layers = len(next(r for r in rows if r))
+    shapes = next(r for r in rows if r)
+    layers = []
+    for layer in range(n_layers):
+        heads, _, dim = shapes[layer][0].shape
+        keys = like.new_zeros((len(rows), heads, width, dim))
+        values = like.new_zeros((len(rows), heads, width, shapes[layer][1].shape[-1]))
+        for b, row in enumerate(rows):
+            if row:
+                k, v = row[layer]
+                keys[b, :, width - k.shape[1] :] = k
+                values[b, :, width - v.shape[1] :] = v
+        layers.append((keys, values))
+    return DynamicCache(layers)
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
+    """Next tokens from last-position logits: argmax when greedy, else temperature / top-k / nucleus sampling."""
+    if temperature <= 0.0:
+        return logits.argmax(dim=-1)
+    scaled = logits / temperature
+    if 0 < top_k < scaled.shape[-1]:
+        kth = scaled.topk(top_k, dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        keep = sorted_probs.cumsum(dim=-1) - sorted_probs < top_p
+        sorted_probs = sorted_probs * keep
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return torch.multinomial(probs, 1).squeeze(-1)
+
+
+@torch.no_grad()
+def generate_cached(
+    model: Any,
+    cache: PrefixKVCache,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    stop_ids: list[int],
+    pad_id: int,
+) -> list[tuple[list[int], list[float]]]:
+    """(token ids, raw log-probs) per prompt; every finished sequence's keys/values go into the cache."""
+    cache.check_weights()
+    device = next(model.parameters()).device
+    prompt_t = [torch.tensor(p, dtype=torch.long) for p in prompts]
+    reuse: list[int] = []
+    sources: list[int | None] = []
+    past_rows: list[KV] = []
+    for p in prompt_t:
+        length, key = cache.lookup(p)
+        length = min(length, len(p) - 1)  # at least one new token, so the last position yields the next logits
+        reuse.append(length)
+        sources.append(key if length > 0 else None)
+        past_rows.append(cache.prefix(key, length) if key is not None and length > 0 else [])
+        cache.hits += length
+        cache.misses += len(p) - length
+    n = len(prompts)
+    width = max(reuse)
+    suffix_width = max(len(p) - r for p, r in zip(prompt_t, reuse, strict=True))
+    ids = torch.full((n, suffix_width), pad_id, dtype=torch.long)
+    mask = torch.zeros((n, width + suffix_width), dtype=torch.long)
+    positions = torch.zeros((n, suffix_width), dtype=torch.long)
+    for b, (p, r) in enumerate(zip(prompt_t, reuse, strict=True)):
+        new = p[r:]
+        ids[b, suffix_width - len(new) :] = new
+        mask[b, width - r : width] = 1
+        mask[b, width + suffix_width - len(new) :] = 1
+        positions[b, suffix_width - len(new) :] = torch.arange(r, len(p))
+    kv = _batched_cache(past_rows, width, next(model.parameters())) if width > 0 else None
+    if kv is None:
+        from transformers import DynamicCache
+
+        kv = DynamicCache()
+    ids, mask, positions = ids.to(device), mask.to(device), positions.to(device)
+    out = _forward(model, ids, mask, positions, kv)
+    kv = _returned_cache(out)
+    logits = out.logits[:, -1, :].float()
+
+    stops = torch.tensor(stop_ids, device=device)
+    alive = list(range(n))  # batch row -> prompt index
+    next_pos = torch.tensor([len(p) for p in prompts], device=device)
+    generated: list[list[int]] = [[] for _ in range(n)]
+    logprobs: list[list[float]] = [[] for _ in range(n)]
+    for step in range(max_new_tokens):
+        tokens = _pick(logits, temperature, top_p, top_k)
+        token_logp = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        finished = torch.isin(tokens, stops) | (step + 1 >= max_new_tokens)
+        for b, i in enumerate(alive):
+            generated[i].append(int(tokens[b]))
+            logprobs[i].append(float(token_logp[b]))
+        if bool(finished.any()):
+            # Keys/values cover the prompt and the generated tokens but the last (it was never fed in).
+            layers = _cache_layers(kv)
+            for b in finished.nonzero().flatten().tolist():
+                i = alive[b]
+                real = mask[b].bool()
+                row_kv = [(layer.keys[b][:, real].clone(), layer.values[b][:, real].clone()) for layer in layers]
+                seq = torch.cat([prompt_t[i], torch.tensor(generated[i][:-1], dtype=torch.long)])
+                cache.store(seq, row_kv, sources[i])
+            keep = (~finished).nonzero().flatten()
+            if len(keep) == 0:
+                break
+            for layer in layers:
+                layer.keys = layer.keys.index_select(0, keep)
+                layer.values = layer.values.index_select(0, keep)
+            alive = [alive[b] for b in keep.tolist()]
+            tokens, mask, next_pos = tokens[keep], mask[keep], next_pos[keep]
+        mask = torch.cat([mask, mask.new_ones((len(alive), 1))], dim=1)
+        out = _forward(model, tokens.unsqueeze(-1), mask, next_pos.unsqueeze(-1), kv)
+        kv = _returned_cache(out)
+        next_pos = next_pos + 1
+        logits = out.logits[:, -1, :].float()
+    return list(zip(generated, logprobs, strict=True))
