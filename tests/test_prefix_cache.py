@@ -105,3 +105,22 @@ def test_sliding_window_models_fall_back_to_generate(tiny_policy: TransformersPo
     assert supports_prefix_cache(model)
     config.layer_types = ["sliding_attention", "full_attention"]
     assert not supports_prefix_cache(model)
+
+
+def test_rows_that_stop_early_leave_the_batch_without_changing_the_others(pair) -> None:  # noqa: ANN001
+    from agentevo.models.prefix_cache import generate_cached
+
+    cached, _ = pair
+    prompts = _episode_prompts(cached, 6)
+    args = (0.0, 1.0, 0, )
+    free = generate_cached(cached.model, PrefixKVCache(cached.model), prompts, 10, *args, [-1], cached.pad_id)
+    # stop at a token row 0 produces third: rows end at different steps (or run to the limit)
+    stop = free[0][0][2]
+    stopped = generate_cached(cached.model, PrefixKVCache(cached.model), prompts, 10, *args, [stop], cached.pad_id)
+    lengths = set()
+    for (ids, logps), (want_ids, want_logps) in zip(stopped, free, strict=True):
+        cut = want_ids.index(stop) + 1 if stop in want_ids else len(want_ids)
+        assert ids == want_ids[:cut]
+        assert logps == pytest.approx(want_logps[:cut], abs=1e-4)
+        lengths.add(len(ids))
+    assert len(lengths) > 1

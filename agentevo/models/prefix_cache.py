@@ -22,13 +22,18 @@ from typing import Any
 
 import torch
 
+try:  # transformers >= 4.56 composes caches from per-layer objects; older versions use transformers' generate
+    from transformers.cache_utils import Cache, DynamicLayer
+except ImportError:  # pragma: no cover - depends on the installed transformers
+    Cache, DynamicLayer = None, object
+
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values shaped [heads, length, head_dim]
 
 
 def supports_prefix_cache(model: Any) -> bool:
     """True for decoder-only models whose layers are all full attention (no sliding window or hybrid layers)."""
     config = getattr(model, "config", None)
-    if config is None or getattr(config, "is_encoder_decoder", False):
+    if Cache is None or config is None or getattr(config, "is_encoder_decoder", False):
         return False
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     layer_types = getattr(text, "layer_types", None)
@@ -105,39 +110,80 @@ class PrefixKVCache:
 
 
 def _forward(model: Any, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> Any:
-    """model(...) with the cache under the keyword this transformers version uses."""
+    """model(...) with the cache under the keyword this transformers version uses; logits of the last position only."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps forward(**kwargs)
-    key = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
-    return model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{key: cache})
+    params = inspect.signature(base.forward).parameters
+    kwargs: dict[str, Any] = {"cache" if "cache" in params else "past_key_values": cache}
+    if "logits_to_keep" in params:
+        kwargs["logits_to_keep"] = 1
+    return model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs)
 
 
-def _returned_cache(out: Any) -> Any:
-    cache = getattr(out, "cache", None)
-    return cache if cache is not None else out.past_key_values
+class _BufferedLayer(DynamicLayer):  # type: ignore[misc,valid-type]
+    """One layer's keys/values in buffers allocated once per batch and written in place (transformers'
+    DynamicLayer concatenates, copying the whole cache at every generated token)."""
+
+    is_croppable = False
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        super().__init__()
+        self.buf_keys, self.buf_values, self.length = keys, values, length
+        self.device, self.dtype = keys.device, keys.dtype
+        self.is_initialized = True
+        self._views()
+
+    def _views(self) -> None:
+        self.keys = self.buf_keys[:, :, : self.length]
+        self.values = self.buf_values[:, :, : self.length]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        end = self.length + key_states.shape[-2]
+        self.buf_keys[:, :, self.length : end] = key_states
+        self.buf_values[:, :, self.length : end] = value_states
+        self.length = end
+        self._views()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.buf_keys = self.buf_keys.index_select(0, rows)
+        self.buf_values = self.buf_values.index_select(0, rows)
+        self._views()
 
 
-def _cache_layers(cache: Any) -> list[Any]:
-    return list(cache.layers)
+def _kv_templates(model: Any) -> KV:
+    """Zero-length per-layer keys/values [kv_heads, 0, head_dim] of the model (the layout of an empty prefix)."""
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    empty = next(model.parameters()).new_zeros((heads, 0, dim))
+    return [(empty, empty)] * config.num_hidden_layers
 
 
-def _batched_cache(rows: list[KV], width: int, like: torch.Tensor) -> Any:
-    """A DynamicCache of the rows' prefixes, left-padded to width (rows with no prefix are all padding)."""
-    from transformers import DynamicCache
-
-    n_layers = len(next(r for r in rows if r))
-    shapes = next(r for r in rows if r)
+def _buffered_cache(rows: list[KV], width: int, room: int, templates: KV) -> tuple[Any, list[_BufferedLayer]]:
+    """A cache holding the rows' prefixes left-padded to width, with room for `room` more positions."""
     layers = []
-    for layer in range(n_layers):
-        heads, _, dim = shapes[layer][0].shape
-        keys = like.new_zeros((len(rows), heads, width, dim))
-        values = like.new_zeros((len(rows), heads, width, shapes[layer][1].shape[-1]))
+    for layer, (k0, v0) in enumerate(templates):
+        keys = k0.new_zeros((len(rows), k0.shape[0], width + room, k0.shape[-1]))
+        values = v0.new_zeros((len(rows), v0.shape[0], width + room, v0.shape[-1]))
         for b, row in enumerate(rows):
             if row:
                 k, v = row[layer]
-                keys[b, :, width - k.shape[1] :] = k
-                values[b, :, width - v.shape[1] :] = v
-        layers.append((keys, values))
-    return DynamicCache(layers)
+                keys[b, :, width - k.shape[1] : width] = k
+                values[b, :, width - v.shape[1] : width] = v
+        layers.append(_BufferedLayer(keys, values, width))
+    return Cache(layers=layers), layers
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
@@ -155,6 +201,9 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) ->
         sorted_probs = sorted_probs * keep
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
     return torch.multinomial(probs, 1).squeeze(-1)
+
+
+@torch.no_grad()
 
 
 @torch.no_grad()
@@ -196,48 +245,43 @@ def generate_cached(
         mask[b, width - r : width] = 1
         mask[b, width + suffix_width - len(new) :] = 1
         positions[b, suffix_width - len(new) :] = torch.arange(r, len(p))
-    kv = _batched_cache(past_rows, width, next(model.parameters())) if width > 0 else None
-    if kv is None:
-        from transformers import DynamicCache
-
-        kv = DynamicCache()
+    cache_obj, layers = _buffered_cache(past_rows, width, suffix_width + max_new_tokens, _kv_templates(model))
     ids, mask, positions = ids.to(device), mask.to(device), positions.to(device)
-    out = _forward(model, ids, mask, positions, kv)
-    kv = _returned_cache(out)
-    logits = out.logits[:, -1, :].float()
+    logits = _forward(model, ids, mask, positions, cache_obj).logits[:, -1, :].float()
 
     stops = torch.tensor(stop_ids, device=device)
-    alive = list(range(n))  # batch row -> prompt index
+    owner: list[int | None] = list(range(n))  # batch row -> prompt index; None once the row has finished
     next_pos = torch.tensor([len(p) for p in prompts], device=device)
     generated: list[list[int]] = [[] for _ in range(n)]
     logprobs: list[list[float]] = [[] for _ in range(n)]
     for step in range(max_new_tokens):
         tokens = _pick(logits, temperature, top_p, top_k)
         token_logp = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-        finished = torch.isin(tokens, stops) | (step + 1 >= max_new_tokens)
-        for b, i in enumerate(alive):
-            generated[i].append(int(tokens[b]))
-            logprobs[i].append(float(token_logp[b]))
-        if bool(finished.any()):
-            # Keys/values cover the prompt and the generated tokens but the last (it was never fed in).
-            layers = _cache_layers(kv)
-            for b in finished.nonzero().flatten().tolist():
-                i = alive[b]
+        finished = (torch.isin(tokens, stops) | (step + 1 >= max_new_tokens)).tolist()
+        token_list, logp_list = tokens.tolist(), token_logp.tolist()
+        for b, i in enumerate(owner):
+            if i is None:
+                continue
+            generated[i].append(token_list[b])
+            logprobs[i].append(logp_list[b])
+            if finished[b]:
+                # Keys/values cover the prompt and the generated tokens but the last (it was never fed in).
                 real = mask[b].bool()
                 row_kv = [(layer.keys[b][:, real].clone(), layer.values[b][:, real].clone()) for layer in layers]
-                seq = torch.cat([prompt_t[i], torch.tensor(generated[i][:-1], dtype=torch.long)])
-                cache.store(seq, row_kv, sources[i])
-            keep = (~finished).nonzero().flatten()
-            if len(keep) == 0:
-                break
+                tokens_seen = torch.cat([prompt_t[i], torch.tensor(generated[i][:-1], dtype=torch.long)])
+                cache.store(tokens_seen, row_kv, sources[i])
+                owner[b] = None
+        live = [b for b, i in enumerate(owner) if i is not None]
+        if not live:
+            break
+        if 2 * len(live) <= len(owner):  # finished rows keep computing until half the batch is done
+            keep = torch.tensor(live, device=device)
             for layer in layers:
-                layer.keys = layer.keys.index_select(0, keep)
-                layer.values = layer.values.index_select(0, keep)
-            alive = [alive[b] for b in keep.tolist()]
+                layer.select_rows(keep)
+            owner = [owner[b] for b in live]
             tokens, mask, next_pos = tokens[keep], mask[keep], next_pos[keep]
-        mask = torch.cat([mask, mask.new_ones((len(alive), 1))], dim=1)
-        out = _forward(model, tokens.unsqueeze(-1), mask, next_pos.unsqueeze(-1), kv)
-        kv = _returned_cache(out)
+        mask = torch.cat([mask, mask.new_ones((len(owner), 1))], dim=1)
+        logits = _forward(model, tokens.unsqueeze(-1), mask, next_pos.unsqueeze(-1), cache_obj).logits[:, -1, :]
+        logits = logits.float()
         next_pos = next_pos + 1
-        logits = out.logits[:, -1, :].float()
     return list(zip(generated, logprobs, strict=True))
