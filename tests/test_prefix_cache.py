@@ -124,3 +124,17 @@ def test_rows_that_stop_early_leave_the_batch_without_changing_the_others(pair) 
         assert logps == pytest.approx(want_logps[:cut], abs=1e-4)
         lengths.add(len(ids))
     assert len(lengths) > 1
+
+
+def test_a_prefix_shared_by_fresh_episodes_runs_once(pair) -> None:  # noqa: ANN001
+    cached, plain = pair
+    shared = cached.tokenizer.encode("Your task is to cook a meal. Check the cookbook in the kitchen. " * 3,
+                                     add_special_tokens=False)
+    assert len(shared) > 40
+    tails = ["take knife", "open fridge now", "You are in the kitchen."]
+    prompts = [shared + cached.tokenizer.encode(t, add_special_tokens=False) for t in tails]
+    greedy = Sampling(temperature=0.0, max_new_tokens=5)
+    for g, w in zip(cached.generate(prompts, greedy), plain.generate(prompts, greedy), strict=True):
+        assert g.token_ids == w.token_ids
+    assert cached.kv_cache.misses == len(shared) + sum(len(p) - len(shared) for p in prompts)
+    assert cached.kv_cache.hits == len(shared) * len(prompts)

@@ -44,6 +44,13 @@ def supports_prefix_cache(model: Any) -> bool:
     return True
 
 
+def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Length of the longest common prefix of two 1-D token tensors."""
+    n = min(len(a), len(b))
+    same = a[:n] == b[:n]
+    return n if bool(same.all()) else int((~same).int().argmax())
+
+
 @dataclass
 class _Entry:
     tokens: torch.Tensor  # 1-D token ids whose keys/values are in kv
@@ -83,11 +90,9 @@ class PrefixKVCache:
         """(length of the longest cached prefix of prompt, the entry holding it); (0, None) when nothing matches."""
         best, best_key = 0, None
         for key, entry in self.entries.items():
-            n = min(len(entry.tokens), len(prompt))
-            if n <= best:
+            if min(len(entry.tokens), len(prompt)) <= best:
                 continue
-            same = entry.tokens[:n] == prompt[:n]
-            lcp = n if bool(same.all()) else int((~same).int().argmax())
+            lcp = _common_prefix(entry.tokens, prompt)
             if lcp > best:
                 best, best_key = lcp, key
         if best_key is not None:
@@ -203,7 +208,29 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) ->
     return torch.multinomial(probs, 1).squeeze(-1)
 
 
+SHARED_PREFIX_MIN = 32  # tokens a shared prefix must add over what is cached before it is run once for all rows
+
+
 @torch.no_grad()
+def _prefill_shared_prefix(model: Any, cache: PrefixKVCache, prompts: list[torch.Tensor]) -> None:
+    """Run the prefix all prompts share (an instruction, a goal) once and cache it, so a batch of fresh episodes
+    does not compute it once per row."""
+    if len(prompts) < 2:
+        return
+    shared = len(prompts[0]) - 1
+    for p in prompts[1:]:
+        shared = min(shared, _common_prefix(prompts[0], p), len(p) - 1)
+    cached, _ = cache.lookup(prompts[0][:shared]) if shared > 0 else (0, None)
+    if shared - cached < SHARED_PREFIX_MIN:
+        return
+    tokens = prompts[0][:shared]
+    device = next(model.parameters()).device
+    ids = tokens.unsqueeze(0).to(device)
+    layers = [_BufferedLayer(k.new_zeros((1, k.shape[0], shared, k.shape[-1])),
+                             v.new_zeros((1, v.shape[0], shared, v.shape[-1])), 0) for k, v in _kv_templates(model)]
+    _forward(model, ids, torch.ones_like(ids), torch.arange(shared, device=device).unsqueeze(0), Cache(layers=layers))
+    cache.store(tokens, [(layer.buf_keys[0], layer.buf_values[0]) for layer in layers], None)
+    cache.misses += shared
 
 
 @torch.no_grad()
@@ -222,6 +249,7 @@ def generate_cached(
     cache.check_weights()
     device = next(model.parameters()).device
     prompt_t = [torch.tensor(p, dtype=torch.long) for p in prompts]
+    _prefill_shared_prefix(model, cache, prompt_t)
     reuse: list[int] = []
     sources: list[int | None] = []
     past_rows: list[KV] = []
