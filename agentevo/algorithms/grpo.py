@@ -28,6 +28,7 @@ import random
 import shutil
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -330,6 +331,83 @@ def rollout_seed(run_seed: int, k: int) -> int:
     return run_seed * 1_000_003 + k * 7919
 
 
+@dataclass
+class Labelled:
+    """One update's rollouts and training rows (with per-token advantages), and method-specific log fields."""
+
+    trajs: list[Trajectory]
+    t_rollout: float  # when the rollouts finished (perf_counter)
+    samples: list[StepSample] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class UpdateLoop:
+    """What the GRPO-style update loop trains and where it checkpoints."""
+
+    policy: Any
+    ref_model: Any
+    trainer: PolicyTrainer
+    latest: Path
+    done: int  # updates finished before this process started (from the checkpoint)
+    loss_fn: Callable[..., Any]
+    log_name: str
+
+
+def run_updates(
+    run: Any,
+    loop: UpdateLoop,
+    rollout_and_label: Callable[[int, Any], Labelled],
+    evaluate: Callable[[int, Any, dict[str, Any]], dict[str, dict[str, Any]]],
+    results: dict[str, Any],
+    eval_points: list[tuple[str, dict[str, dict[str, Any]]]],
+) -> None:
+    """Updates 1..n_updates, each a resumable phase: rollouts + labels (method-specific), reference log-probs,
+    the clipped-ratio update, a checkpoint (weights + optimiser), then the record; evaluations when due."""
+    cfg, g = run.cfg, run.cfg.grpo
+    with run.pool() as pool:
+        for k in range(1, g.n_updates + 1):
+            if k > loop.done:
+
+                def do_update(k: int = k) -> dict[str, Any]:
+                    loop.policy.policy_id = f"update-{k - 1}" if k > 1 else "bc"
+                    t0 = time.perf_counter()
+                    labelled = rollout_and_label(k, pool)
+                    add_ref_logprobs(loop.ref_model, labelled.samples, loop.policy.pad_id, g.micro_batch_size)
+                    t2 = time.perf_counter()
+                    with run.progress(f"update {k}: policy update") as bar:
+                        stats = loop.trainer.update(labelled.samples, loop.loss_fn, cfg.seed + k,
+                                                    lambda s, r: bar.advance())
+                    t3 = time.perf_counter()
+                    trajs = labelled.trajs
+                    prev = run.state.get(f"update-{k - 1}", {}).get("train_env_steps", 0) if k > 1 else 0
+                    record = {
+                        **rollout_stats(trajs), **stats, "groups_kept": 0, **labelled.extra,
+                        "samples": len(labelled.samples),
+                        "train_env_steps": prev + sum(s.parsed_action is not None for t in trajs for s in t.steps),
+                        "time_rollout_s": labelled.t_rollout - t0, "time_advantage_s": t2 - labelled.t_rollout,
+                        "time_update_s": t3 - t2,
+                    }
+                    run.logger.log(loop.log_name, k, record)
+                    loop.trainer.save(loop.latest, {"update": k, "record": record})
+                    return record
+
+                run.phase(f"update-{k}", do_update)
+            elif f"update-{k}" not in run.state:
+                # Crashed after the checkpoint but before the phase was recorded: take the record from it.
+                run.phase(f"update-{k}", lambda: json.loads((loop.latest / "state.json").read_text())["record"])
+            if eval_due(k, g):
+                steps = run.state[f"update-{k}"]["train_env_steps"]
+
+                def do_eval(k: int = k, steps: int = steps) -> dict[str, dict[str, Any]]:
+                    loop.trainer.export(run.checkpoint_dir(f"update-{k}"))
+                    return evaluate(k, pool, {"train_env_steps": steps, "update": k})
+
+                results[f"eval/update-{k}"] = run.phase(f"eval/update-{k}", do_eval)
+                eval_points.append((f"update-{k}", results[f"eval/update-{k}"]))
+            results[f"update-{k}"] = run.state[f"update-{k}"]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The recipe
 
@@ -346,68 +424,35 @@ def run(run: Any) -> dict[str, Any]:
     done = (trainer.restore(latest) or {}).get("update", 0)
     train_tasks = list(run.tasks("train", cfg.env.n_train))
     window, max_len = cfg.agent.history_window, cfg.optim.max_length
-    loss_fn = grpo_loss(g)
     eval_points: list[tuple[str, dict[str, dict[str, Any]]]] = [("bc", results["eval/bc"])]
 
-    with run.pool() as pool:
-        for k in range(1, g.n_updates + 1):
-            if k > done:
+    def rollout_and_label(k: int, pool: Any) -> Labelled:
+        # 1. G rollouts per task with the current policy.
+        actor = PolicyActor(policy, run.signal_env.instruction(), window,
+                            Sampling(g.temperature, g.top_p, cfg.agent.max_new_tokens, seed=rollout_seed(cfg.seed, k)))
+        requests = group_requests(update_tasks(train_tasks, k, g.tasks_per_update), g.group_size)
+        trajs = run.collect(actor, requests, f"update-{k}/collect", f"update {k}: rollouts", pool=pool)
+        t_rollout = time.perf_counter()
+        # 2. Outcome advantages, broadcast to reply tokens.
+        out = Labelled(trajs, t_rollout)
+        groups = split_groups(trajs)
+        out.extra["groups"] = len(groups)
+        for group in groups:
+            adv = outcome_advantages(group_returns(group, g), g)
+            if adv is None:
+                continue
+            out.extra["groups_kept"] = out.extra.get("groups_kept", 0) + 1
+            for traj, a in zip(group, adv.tolist(), strict=True):
+                out.samples += outcome_samples(policy.renderer, traj, len(out.samples), a, g, window, max_len)
+        return out
 
-                def do_update(k: int = k) -> dict[str, Any]:
-                    policy.policy_id = f"update-{k - 1}" if k > 1 else "bc"
-                    # 1. G rollouts per task with the current policy.
-                    t0 = time.perf_counter()
-                    actor = PolicyActor(policy, run.signal_env.instruction(), window,
-                                        Sampling(g.temperature, g.top_p, cfg.agent.max_new_tokens,
-                                                 seed=rollout_seed(cfg.seed, k)))
-                    requests = group_requests(update_tasks(train_tasks, k, g.tasks_per_update), g.group_size)
-                    trajs = run.collect(actor, requests, f"update-{k}/collect", f"update {k}: rollouts", pool=pool)
-                    t1 = time.perf_counter()
-                    # 2-3. Outcome advantages, broadcast to reply tokens; reference log-probs.
-                    samples: list[StepSample] = []
-                    kept = 0
-                    groups = split_groups(trajs)
-                    for group in groups:
-                        adv = outcome_advantages(group_returns(group, g), g)
-                        if adv is None:
-                            continue
-                        kept += 1
-                        for traj, a in zip(group, adv.tolist(), strict=True):
-                            samples += outcome_samples(policy.renderer, traj, len(samples), a, g, window, max_len)
-                    add_ref_logprobs(ref_model, samples, policy.pad_id, g.micro_batch_size)
-                    t2 = time.perf_counter()
-                    # 4. Policy update.
-                    with run.progress(f"update {k}: policy update") as bar:
-                        stats = trainer.update(samples, loss_fn, cfg.seed + k, lambda s, r: bar.advance())
-                    t3 = time.perf_counter()
-                    prev = run.state.get(f"update-{k - 1}", {}).get("train_env_steps", 0) if k > 1 else 0
-                    record = {
-                        **rollout_stats(trajs), **stats,
-                        "groups": len(groups), "groups_kept": kept, "samples": len(samples),
-                        "train_env_steps": prev + sum(s.parsed_action is not None for t in trajs for s in t.steps),
-                        "time_rollout_s": t1 - t0, "time_advantage_s": t2 - t1, "time_update_s": t3 - t2,
-                    }
-                    run.logger.log("grpo/update", k, record)
-                    # 5. Checkpoint (weights + optimiser), then the phase is recorded.
-                    trainer.save(latest, {"update": k, "record": record})
-                    return record
+    def evaluate(k: int, pool: Any, extra: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        actor = PolicyActor(policy, run.signal_env.instruction(), window,
+                            Sampling(0.0, max_new_tokens=cfg.agent.max_new_tokens))
+        return evaluate_with(run, actor, f"update-{k}", pool, extra)
 
-                run.phase(f"update-{k}", do_update)
-            elif f"update-{k}" not in run.state:
-                # Crashed after the checkpoint but before the phase was recorded: take the record from it.
-                run.phase(f"update-{k}", lambda: json.loads((latest / "state.json").read_text())["record"])
-            if eval_due(k, g):
-                steps = run.state[f"update-{k}"]["train_env_steps"]
-
-                def do_eval(k: int = k, steps: int = steps) -> dict[str, dict[str, Any]]:
-                    trainer.export(run.checkpoint_dir(f"update-{k}"))
-                    actor = PolicyActor(policy, run.signal_env.instruction(), window,
-                                        Sampling(0.0, max_new_tokens=cfg.agent.max_new_tokens))
-                    return evaluate_with(run, actor, f"update-{k}", pool, {"train_env_steps": steps, "update": k})
-
-                results[f"eval/update-{k}"] = run.phase(f"eval/update-{k}", do_eval)
-                eval_points.append((f"update-{k}", results[f"eval/update-{k}"]))
-            results[f"update-{k}"] = run.state[f"update-{k}"]
+    run_updates(run, UpdateLoop(policy, ref_model, trainer, latest, done, grpo_loss(g), "grpo/update"),
+                rollout_and_label, evaluate, results, eval_points)
     plot = plot_success_vs_env_steps(run, eval_points, "success_vs_env_steps")
     results["plots"] = [str(plot)] if plot else []
     return results

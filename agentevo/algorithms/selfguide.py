@@ -33,7 +33,6 @@ guide-BC model evaluated with its guides, no RL; 'train' = Self-Guide + GRPO.
 
 from __future__ import annotations
 
-import json
 import random
 import re
 import time
@@ -51,9 +50,9 @@ from agentevo.algorithms.advantages import (
 )
 from agentevo.algorithms.bc import _TextOnlyRenderer, nll_loss
 from agentevo.algorithms.grpo import (
+    Labelled,
     PolicyTrainer,
-    add_ref_logprobs,
-    eval_due,
+    UpdateLoop,
     evaluate_with,
     group_requests,
     group_returns,
@@ -62,7 +61,7 @@ from agentevo.algorithms.grpo import (
     outcome_advantages,
     plot_success_vs_env_steps,
     rollout_seed,
-    rollout_stats,
+    run_updates,
     split_groups,
     step_penalties,
     update_tasks,
@@ -477,80 +476,55 @@ def run(run: Any) -> dict[str, Any]:
     window, max_len = cfg.agent.history_window, cfg.optim.max_length
     max_new = cfg.agent.max_new_tokens + (sg.guide_max_tokens if with_guide else 0)
     mask_fn = make_masker(policy.tokenizer, sg.guide_position, with_guide)
-    loss_fn = grpo_loss(g)
     K = g.n_updates
     eval_points: list[tuple[str, dict[str, dict[str, Any]]]] = [("bc", results["eval/bc"])]
 
-    with run.pool() as pool:
-        for k in range(1, K + 1):
-            # 1. Stage, trust λ(k) and history retention of this update.
-            stage = stage_of(k - 1, K, sg.breakpoints)
-            lam = trust_weight(k - 1, K, sg.lambda_max, sg.breakpoints, sg.schedule) if sg.guide == "train" else 0.0
-            keep = guides_kept(sg.history_guides, stage) if with_guide else None
-            if k > done:
+    def schedule(k: int) -> tuple[int, float, int | None]:
+        """Stage, trust weight λ and history guides kept for update k."""
+        stage = stage_of(k - 1, K, sg.breakpoints)
+        lam = trust_weight(k - 1, K, sg.lambda_max, sg.breakpoints, sg.schedule) if sg.guide == "train" else 0.0
+        return stage, lam, guides_kept(sg.history_guides, stage) if with_guide else None
 
-                def do_update(k: int = k, stage: int = stage, lam: float = lam, keep: int | None = keep) -> dict[str, Any]:
-                    policy.policy_id = f"update-{k - 1}" if k > 1 else "bc"
-                    t0 = time.perf_counter()
-                    actor = GuidedActor(policy, run.signal_env.instruction(), window,
-                                        Sampling(g.temperature, g.top_p, max_new, seed=rollout_seed(cfg.seed, k)),
-                                        keep, mask_fn)
-                    requests = group_requests(update_tasks(train_tasks, k, g.tasks_per_update), g.group_size,
-                                              meta={"keep": keep, "stage": stage, "lambda": lam})
-                    trajs = run.collect(actor, requests, f"update-{k}/collect", f"update {k}: rollouts", pool=pool)
-                    t1 = time.perf_counter()
-                    # 2. A_env per group, Â_int per step, per-token advantages (guide tokens: A_env only).
-                    samples: list[StepSample] = []
-                    groups = split_groups(trajs)
-                    kept, int_abs = 0, []
-                    for group in groups:
-                        a_env = outcome_advantages(group_returns(group, g), g)
-                        if a_env is None:
-                            continue
-                        kept += 1
-                        verdicts = [[parse_guide(s.action_text, sg.guide_position)[1] for s in t.steps] for t in group]
-                        a_int = internal_advantages(verdicts, sg.gamma_int, sg.int_norm, g.adv_eps)
-                        for traj, a, ai in zip(group, a_env.tolist(), a_int, strict=True):
-                            int_abs += ai.abs().tolist()
-                            terms = [lam * x + p for x, p in zip(ai.tolist(), step_penalties(traj, g), strict=True)]
-                            token_adv = token_advantages([mask_fn(s.action_ids) for s in traj.steps], a, terms,
-                                                         sg.guide_tokens_adv)
-                            rows = guided_samples(policy.renderer, traj, len(samples), window, max_len,
-                                                  traj.meta.get("keep"), mask_fn)
-                            samples += [label_sample(r, token_adv) for r in rows]
-                    add_ref_logprobs(ref_model, samples, policy.pad_id, g.micro_batch_size)
-                    t2 = time.perf_counter()
-                    # 3-4. Clipped-ratio + KL update.
-                    with run.progress(f"update {k}: policy update") as bar:
-                        stats = trainer.update(samples, loss_fn, cfg.seed + k, lambda s, r: bar.advance())
-                    t3 = time.perf_counter()
-                    # 5. Logs of §3.4, checkpoint.
-                    prev = run.state.get(f"update-{k - 1}", {}).get("train_env_steps", 0) if k > 1 else 0
-                    record = {
-                        **rollout_stats(trajs), **stats, **(guide_stats(trajs, sg.guide_position, mask_fn) if with_guide else {}),
-                        "stage": stage, "lambda": lam, "guides_kept": -1 if keep is None else keep,
-                        "int_adv_abs_mean": sum(int_abs) / max(1, len(int_abs)),
-                        "groups": len(groups), "groups_kept": kept, "samples": len(samples),
-                        "train_env_steps": prev + sum(s.parsed_action is not None for t in trajs for s in t.steps),
-                        "time_rollout_s": t1 - t0, "time_advantage_s": t2 - t1, "time_update_s": t3 - t2,
-                    }
-                    run.logger.log("selfguide/update", k, record)
-                    trainer.save(latest, {"update": k, "record": record})
-                    return record
+    def rollout_and_label(k: int, pool: Any) -> Labelled:
+        # 1. Stage, trust λ(k) and history retention of this update; G guided rollouts per task.
+        stage, lam, keep = schedule(k)
+        actor = GuidedActor(policy, run.signal_env.instruction(), window,
+                            Sampling(g.temperature, g.top_p, max_new, seed=rollout_seed(cfg.seed, k)), keep, mask_fn)
+        requests = group_requests(update_tasks(train_tasks, k, g.tasks_per_update), g.group_size,
+                                  meta={"keep": keep, "stage": stage, "lambda": lam})
+        trajs = run.collect(actor, requests, f"update-{k}/collect", f"update {k}: rollouts", pool=pool)
+        out = Labelled(trajs, time.perf_counter())
+        # 2. A_env per group, Â_int per step, per-token advantages (guide tokens: A_env only).
+        groups = split_groups(trajs)
+        int_abs: list[float] = []
+        for group in groups:
+            a_env = outcome_advantages(group_returns(group, g), g)
+            if a_env is None:
+                continue
+            out.extra["groups_kept"] = out.extra.get("groups_kept", 0) + 1
+            verdicts = [[parse_guide(s.action_text, sg.guide_position)[1] for s in t.steps] for t in group]
+            a_int = internal_advantages(verdicts, sg.gamma_int, sg.int_norm, g.adv_eps)
+            for traj, a, ai in zip(group, a_env.tolist(), a_int, strict=True):
+                int_abs += ai.abs().tolist()
+                terms = [lam * x + p for x, p in zip(ai.tolist(), step_penalties(traj, g), strict=True)]
+                token_adv = token_advantages([mask_fn(s.action_ids) for s in traj.steps], a, terms,
+                                             sg.guide_tokens_adv)
+                rows = guided_samples(policy.renderer, traj, len(out.samples), window, max_len,
+                                      traj.meta.get("keep"), mask_fn)
+                out.samples += [label_sample(r, token_adv) for r in rows]
+        # 5. Logs of §3.4.
+        out.extra.update({
+            **(guide_stats(trajs, sg.guide_position, mask_fn) if with_guide else {}),
+            "stage": stage, "lambda": lam, "guides_kept": -1 if keep is None else keep,
+            "int_adv_abs_mean": sum(int_abs) / max(1, len(int_abs)), "groups": len(groups),
+        })
+        return out
 
-                run.phase(f"update-{k}", do_update)
-            elif f"update-{k}" not in run.state:
-                run.phase(f"update-{k}", lambda: json.loads((latest / "state.json").read_text())["record"])
-            if eval_due(k, g):
-                steps = run.state[f"update-{k}"]["train_env_steps"]
+    def evaluate(k: int, pool: Any, extra: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        return evaluate_guided(run, policy, f"update-{k}", schedule(k)[2], pool, extra)
 
-                def do_eval(k: int = k, steps: int = steps, keep: int | None = keep) -> dict[str, dict[str, Any]]:
-                    trainer.export(run.checkpoint_dir(f"update-{k}"))
-                    return evaluate_guided(run, policy, f"update-{k}", keep, pool, {"train_env_steps": steps, "update": k})
-
-                results[f"eval/update-{k}"] = run.phase(f"eval/update-{k}", do_eval)
-                eval_points.append((f"update-{k}", results[f"eval/update-{k}"]))
-            results[f"update-{k}"] = run.state[f"update-{k}"]
+    run_updates(run, UpdateLoop(policy, ref_model, trainer, latest, done, grpo_loss(g), "selfguide/update"),
+                rollout_and_label, evaluate, results, eval_points)
     plot = plot_success_vs_env_steps(run, eval_points, "success_vs_env_steps")
     results["plots"] = [str(plot)] if plot else []
     return results

@@ -251,7 +251,6 @@ SMOKE = [
 ]
 
 
-@pytest.mark.slow
 def test_grpo_recipe_one_update_end_to_end(tmp_path) -> None:  # noqa: ANN001
     import json
 

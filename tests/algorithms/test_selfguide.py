@@ -226,7 +226,6 @@ def test_guide_stats_distribution_and_calibration(tiny_policy) -> None:  # noqa:
     assert stats["guide_tokens"] > 3
 
 
-@pytest.mark.slow
 def test_selfguide_recipe_one_update_end_to_end(tmp_path) -> None:  # noqa: ANN001
     import json
 
