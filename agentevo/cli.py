@@ -98,6 +98,17 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from agentevo.eval.compare import compare
+
+    path, table = compare([Path(d) for d in args.run_dirs], args.split, Path(args.out))
+    print(table)
+    print(path)
+    return 0
+
+
 def cmd_envs(args: argparse.Namespace) -> int:
     from agentevo.envs import ENVIRONMENTS, make_env
 
@@ -172,6 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="(re)write runs/NAME/report.md and its plots")
     p.add_argument("run_dir")
     p.set_defaults(fn=cmd_report)
+
+    p = sub.add_parser("compare", help="success of several runs, mean ± sd over seeds (names ending -sN group)")
+    p.add_argument("run_dirs", nargs="+")
+    p.add_argument("--split", default="test")
+    p.add_argument("--out", default="runs/compare", help="folder for compare.md and compare.png")
+    p.set_defaults(fn=cmd_compare)
 
     p = sub.add_parser("envs", help="list, show or play environments")
     p.add_argument("action", choices=["list", "show", "play"])

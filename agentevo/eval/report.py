@@ -89,6 +89,9 @@ def write_report(run: Any) -> Path:
     phases = _plot_training(run.logger.records(), plots / "training.png")
     if phases:
         lines += ["", "## Training", "", "![training loss](plots/training.png)"]
+    method_plots = sorted(p.name for p in plots.glob("*.png") if p.name not in ("success.png", "training.png"))
+    if method_plots:
+        lines += ["", "## Method plots", ""] + [f"![{name[:-4]}](plots/{name})" for name in method_plots]
     extra = {k: v for k, v in run.state.items() if not k.startswith("eval/")}
     if extra:
         lines += ["", "## Phases", ""]
