@@ -78,7 +78,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     cfg.method = "eval"
     run = Run.create(cfg, quiet=args.quiet)
     try:
-        results = {"eval/" + Path(args.model).name: run.evaluate(run.load_policy(args.model), Path(args.model).name)}
+        results = {"eval/" + Path(args.model).name: run.evaluate(run.rollout_policy(args.model), Path(args.model).name)}
     finally:
         run.close()
     _summary_table(run, results)

@@ -142,3 +142,15 @@ def test_run_evaluates_through_an_http_server(tiny_policy, server, tmp_path) -> 
         assert {t.policy_id for t in run.store.load(collection="eval/served/test")} == {"served"}
     finally:
         run.close()
+
+
+def test_cli_eval_acts_on_the_configured_backend(tiny_policy, server, tmp_path) -> None:  # noqa: ANN001
+    from agentevo.cli import main
+
+    tiny_policy.save(tmp_path / "ckpt")
+    before = server.requests
+    code = main(["eval", "--model", str(tmp_path / "ckpt"), "--n", "2", "--output-dir", str(tmp_path / "runs"),
+                 "--name", "e", "--quiet", "--set", "env.params={max_steps: 2}", "--set", "rollout.n_parallel=2",
+                 "--set", "model.backend=http", "--set", f"model.http.base_url={server.url}",
+                 "--set", "agent.max_new_tokens=8"])
+    assert code == 0 and server.requests > before

@@ -104,14 +104,14 @@ def warm_start(run: Any) -> dict[str, Any]:
 
     init_info = run.phase("init", build_init)
     results: dict[str, Any] = {"expert": demos, "init": init_info}
-    results["eval/init"] = run.phase("eval/init", lambda: run.evaluate(run.load_policy("init"), "init"))
+    results["eval/init"] = run.phase("eval/init", lambda: run.evaluate(run.rollout_policy("init"), "init"))
 
     def do_bc() -> dict[str, Any]:
         policy = run.load_policy("init")
         return train_bc(run, policy, trajs, "bc")
 
     results["bc"] = run.phase("bc", do_bc)
-    results["eval/bc"] = run.phase("eval/bc", lambda: run.evaluate(run.load_policy("bc"), "bc"))
+    results["eval/bc"] = run.phase("eval/bc", lambda: run.evaluate(run.rollout_policy("bc"), "bc"))
     return results
 
 

@@ -59,5 +59,5 @@ def run(run: Any) -> dict[str, Any]:
 
     results["bon-sft"] = run.phase("bon-sft", sft)
     final = "bon-sft" if results["bon-sft"].get("samples") else base
-    results["eval/bon-sft"] = run.phase("eval/bon-sft", lambda: run.evaluate(run.load_policy(final), final))
+    results["eval/bon-sft"] = run.phase("eval/bon-sft", lambda: run.evaluate(run.rollout_policy(final), final))
     return results

@@ -216,7 +216,7 @@ def _iteration(run: Any, i: int, current: str, expert: dict[str, Trajectory]) ->
         return {**counts, "pairs": len(specs), **train_dpo(run, policy, specs, i, name)}
 
     out["dpo"] = run.phase(f"eto/iter-{i}/dpo", dpo)
-    out[f"eval/{name}"] = run.phase(f"eval/{name}", lambda: run.evaluate(run.load_policy(name), name))
+    out[f"eval/{name}"] = run.phase(f"eval/{name}", lambda: run.evaluate(run.rollout_policy(name), name))
     return out
 
 

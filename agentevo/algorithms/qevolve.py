@@ -113,6 +113,13 @@ def load_round_policy(run: Any, r: int) -> TransformersPolicy:
     return policy
 
 
+def acting_policy(run: Any, r: int) -> Any:
+    """pi_r for collection and evaluation: on model.backend (vLLM, HTTP) unless it is a LoRA adapter."""
+    if run.cfg.model.lora.enabled:
+        return load_round_policy(run, r)
+    return run.rollout_policy(policy_name(run.cfg.qevolve, r))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Step 1: hybrid data
 
@@ -120,7 +127,7 @@ def load_round_policy(run: Any, r: int) -> TransformersPolicy:
 def collect_self(run: Any, r: int) -> dict[str, Any]:
     """Roll pi_{r-1} at the collection temperature, n_self_per_task times per training task, into round-r/self."""
     cfg, q = run.cfg, run.cfg.qevolve
-    policy = load_round_policy(run, r - 1)
+    policy = acting_policy(run, r - 1)
     tasks = run.tasks("train")
     sampling = Sampling(q.collect_temperature, cfg.rollout.top_p, cfg.agent.max_new_tokens, seed=cfg.seed * 7919 + r)
     actor = PolicyActor(policy, run.signal_env.instruction(), cfg.agent.history_window, sampling)
@@ -618,7 +625,7 @@ def evaluate_round(run: Any, r: int) -> dict[str, dict[str, Any]]:
     """Greedy evaluation of pi_r (or, with pi=none, pi_BC with the round-r critic reranking candidates)."""
     cfg, q = run.cfg, run.cfg.qevolve
     if q.pi != "none":
-        return run.evaluate(load_round_policy(run, r), f"round-{r}")
+        return run.evaluate(acting_policy(run, r), f"round-{r}")
     critic, policy = load_round_critic(run, r)  # policy = pi_0 = pi_BC
     sampling = Sampling(q.rerank_temperature, cfg.rollout.top_p, cfg.agent.max_new_tokens, seed=cfg.seed + 104729 * r)
     actor = RerankActor(policy, critic, run.signal_env.instruction(), cfg.agent.history_window, q.rerank_n,

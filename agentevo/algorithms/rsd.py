@@ -362,7 +362,7 @@ def prepare_base(run: Any) -> tuple[str, dict[str, Any]]:
     if not run.cfg.rsd.ctx_warm_start:
         return "bc", results
     results["ctx-bc"] = run.phase("ctx-bc", lambda: context_warm_start(run, "bc", "ctx-bc"))
-    results["eval/ctx-bc"] = run.phase("eval/ctx-bc", lambda: run.evaluate(run.load_policy("ctx-bc"), "ctx-bc"))
+    results["eval/ctx-bc"] = run.phase("eval/ctx-bc", lambda: run.evaluate(run.rollout_policy("ctx-bc"), "ctx-bc"))
     return "ctx-bc", results
 
 
@@ -435,7 +435,7 @@ def rsd_rounds(run: Any, base: str, label: str = "rsd", gold: dict[str, Trajecto
     splits = eval_splits(cfg)
     window = cfg.agent.history_window
     results: dict[str, Any] = {}
-    results["eval/base"] = run.phase("eval/base", lambda: run.evaluate(run.load_policy(base), base, splits))
+    results["eval/base"] = run.phase("eval/base", lambda: run.evaluate(run.rollout_policy(base), base, splits))
     m0 = results["eval/base"][rsd.metric_split]["success_rate"]
     teacher = TeacherState(base, False, m0, 0, base)
     rule0 = ContextRule.from_config(rsd)
@@ -486,7 +486,7 @@ def rsd_rounds(run: Any, base: str, label: str = "rsd", gold: dict[str, Trajecto
 
         # 8. evaluation without context; teacher schedule; rule search
         def evaluate(r: int = r) -> dict[str, Any]:
-            return run.evaluate(run.load_policy(f"round-{r}"), f"round-{r}", splits)
+            return run.evaluate(run.rollout_policy(f"round-{r}"), f"round-{r}", splits)
 
         results[f"eval/round-{r}"] = run.phase(f"eval/round-{r}", evaluate)
         metric = results[f"eval/round-{r}"][rsd.metric_split]["success_rate"]
