@@ -281,6 +281,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             raise ConfigError(f"{where} must be a number (got {value!r})")
         return float(value)
     if tp is str:
+        if isinstance(value, bool) or value is None:
+            raise ConfigError(
+                f"{where} must be a string (got {value!r}: YAML reads yes/no/on/off/true/false as booleans and "
+                f"null/~ as nothing; quote the word: {where}: 'no' in YAML, --set \"{where}='no'\" on the command line)"
+            )
         if not isinstance(value, str):
             raise ConfigError(f"{where} must be a string (got {value!r})")
         return value

@@ -92,3 +92,12 @@ def test_envs_show_and_play(capsys, monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.setattr("builtins.input", lambda prompt="": next(answers))
     assert main(["envs", "play", "searchqa", "--split", "train", "--task", "0"]) == 0
     assert capsys.readouterr().out.rstrip().endswith("success")
+
+
+def test_yaml_booleans_in_string_fields_say_to_quote() -> None:
+    from agentevo.config import load_config
+    from agentevo.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"got False: YAML reads yes/no.*--set \"qevolve.buffer='no'\""):
+        load_config(None, ["qevolve.buffer=no"])
+    assert load_config(None, ["qevolve.buffer='refresh'", "model.path=null"]).qevolve.buffer == "refresh"
