@@ -8,16 +8,14 @@
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
 from agentevo.algorithms.bc import nll_loss
-from agentevo.algorithms.rsd import prepare_base, sample_tasks
+from agentevo.algorithms.rsd import prepare_base, round_tasks, sampling_actor
 from agentevo.data.tensors import trajectory_samples
 from agentevo.eval.metrics import summarize
-from agentevo.models.backend import Sampling
 from agentevo.models.policy import with_lora
-from agentevo.rollout.engine import EpisodeRequest, PolicyActor
+from agentevo.rollout.engine import EpisodeRequest
 from agentevo.train.loop import train
 
 
@@ -26,12 +24,10 @@ def run(run: Any) -> dict[str, Any]:
     cfg, rsd = run.cfg, run.cfg.rsd
     base, results = prepare_base(run)
     # The same tasks RSD's first round draws, so the two spend their rollouts on the same tasks.
-    tasks = sample_tasks(list(run.tasks("train")), rsd.tasks_per_round, random.Random(cfg.seed * 1000 + 1))
+    tasks = round_tasks(run, 1)
 
     def collect() -> dict[str, Any]:
-        policy = run.load_policy(base)
-        sampling = Sampling(rsd.rollout_temperature, cfg.rollout.top_p, cfg.agent.max_new_tokens, seed=cfg.seed * 7919)
-        actor = PolicyActor(policy, run.signal_env.instruction(), cfg.agent.history_window, sampling)
+        actor = sampling_actor(run, base, cfg.seed * 7919)
         requests = [EpisodeRequest(t, k * rsd.bon_n + i, meta={"sample": i})
                     for k, t in enumerate(tasks) for i in range(rsd.bon_n)]
         trajs = run.collect(actor, requests, "bon/samples", f"BoN-{rsd.bon_n} samples")

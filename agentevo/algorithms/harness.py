@@ -12,24 +12,21 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from agentevo.algorithms.rsd import eval_splits, prepare_base, sample_tasks
+from agentevo.algorithms.rsd import eval_splits, prepare_base, round_tasks, sampling_actor
 from agentevo.algorithms.rsd_context import ContextRule, evaluate_with_context, lesson_inputs, pre_action_context_fn
 from agentevo.algorithms.writers import make_writer
 from agentevo.eval.metrics import summarize
-from agentevo.models.backend import Sampling
-from agentevo.rollout.engine import EpisodeRequest, PolicyActor
+from agentevo.rollout.engine import EpisodeRequest
 
 
 def run(run: Any) -> dict[str, Any]:
     """Harness@Inf end to end; returns the evaluation table."""
     cfg, rsd = run.cfg, run.cfg.rsd
     base, results = prepare_base(run)
-    tasks = sample_tasks(list(run.tasks("train")), rsd.tasks_per_round, random.Random(cfg.seed * 1000 + 1))
+    tasks = round_tasks(run, 1)
 
     def bank() -> dict[str, Any]:
-        policy = run.load_policy(base)
-        sampling = Sampling(rsd.rollout_temperature, cfg.rollout.top_p, cfg.agent.max_new_tokens, seed=cfg.seed * 7919)
-        actor = PolicyActor(policy, run.signal_env.instruction(), cfg.agent.history_window, sampling)
+        actor = sampling_actor(run, base, cfg.seed * 7919)
         return summarize(run.collect(actor, [EpisodeRequest(t, k) for k, t in enumerate(tasks)], "harness/bank",
                                      "harness: bank"))
 

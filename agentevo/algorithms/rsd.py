@@ -352,6 +352,19 @@ def _token_counter(tokenizer: Any) -> Callable[[str], int]:
 # The base: BC warm start, and for tiny models a context-aware warm start (methods-spec §7 item 9)
 
 
+def round_tasks(run: Any, r: int) -> list[Task]:
+    """The training tasks RSD's round r plays (baselines play round 1's, so they spend rollouts on the same tasks)."""
+    return sample_tasks(list(run.tasks("train")), run.cfg.rsd.tasks_per_round, random.Random(run.cfg.seed * 1000 + r))
+
+
+def sampling_actor(run: Any, checkpoint: str, seed: int) -> PolicyActor:
+    """The checkpoint acting at RSD's rollout temperature (on model.backend)."""
+    cfg = run.cfg
+    sampling = Sampling(cfg.rsd.rollout_temperature, cfg.rollout.top_p, cfg.agent.max_new_tokens, seed=seed)
+    return PolicyActor(run.rollout_policy(checkpoint), run.signal_env.instruction(), cfg.agent.history_window,
+                       sampling)
+
+
 def prepare_base(run: Any) -> tuple[str, dict[str, Any]]:
     """warm_start (expert demos -> BC); with rsd.ctx_warm_start, a further pass on plain + context demos.
 
