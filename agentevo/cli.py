@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from agentevo.errors import AgentevoError
+from agentevo.errors import AgentevoError, ConfigError
 
 
 def _summary_table(run: Any, results: dict[str, Any]) -> None:
@@ -34,14 +34,23 @@ def _summary_table(run: Any, results: dict[str, Any]) -> None:
 
 
 def _run_recipe(run: Any) -> int:
+    from agentevo import dist
     from agentevo.eval.report import write_report
-    from agentevo.recipes import get_recipe
+    from agentevo.recipes import DISTRIBUTED_RECIPES, get_recipe
 
+    if dist.world_size() > 1 and run.cfg.method not in DISTRIBUTED_RECIPES:
+        run.close()
+        raise ConfigError(
+            f"recipe {run.cfg.method!r} does not run under accelerate launch yet (ready: "
+            f"{', '.join(sorted(DISTRIBUTED_RECIPES))}); run it as one process with LoRA and vLLM (docs/scaling.md)"
+        )
     try:
         results = get_recipe(run.cfg.method)(run)
-        report = write_report(run)
+        report = write_report(run) if run.main else None
     finally:
         run.close()
+    if not run.main:
+        return 0
     _summary_table(run, results)
     print(f"report: {report}")
     return 0

@@ -26,6 +26,9 @@ RECIPES: dict[str, str] = {
     "reflexion": "agentevo.algorithms.reflexion:run",
 }
 
+# Recipes whose phases are marked for `accelerate launch` (rank-0 collection/evaluation, training on every rank).
+DISTRIBUTED_RECIPES = frozenset({"bc"})
+
 
 def get_recipe(name: str) -> Callable[[Any], dict[str, Any]]:
     """The run() function of a recipe."""

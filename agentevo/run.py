@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from agentevo import dist
 from agentevo.config import RunConfig, _build, dump_config
 from agentevo.data.store import ExperienceStore
 from agentevo.data.types import Trajectory
@@ -25,6 +26,8 @@ from agentevo.rollout.workers import make_pool
 from agentevo.train.tracking import MetricsLogger
 
 log = logging.getLogger(__name__)
+
+_PHASE_FAILED = "__agentevo_phase_failed__"
 
 
 def _progress_columns() -> list[Any]:
@@ -59,11 +62,13 @@ class Run:
     def __init__(self, cfg: RunConfig, run_dir: Path, quiet: bool = False) -> None:
         self.cfg = cfg
         self.dir = run_dir
-        self.quiet = quiet
+        self.main = dist.is_main()  # under `accelerate launch` only rank 0 collects, evaluates and writes
+        self.quiet = quiet or not self.main
         self.dir.mkdir(parents=True, exist_ok=True)
-        (self.dir / "config.yaml").write_text(dump_config(cfg))
+        if self.main:
+            (self.dir / "config.yaml").write_text(dump_config(cfg))
         self.store = ExperienceStore(self.dir / "experience.db")
-        self.logger = MetricsLogger(self.dir)
+        self.logger = MetricsLogger(self.dir, enabled=self.main)
         self.state_path = self.dir / "state.json"
         self.state: dict[str, Any] = json.loads(self.state_path.read_text()) if self.state_path.exists() else {}
         self.threads = set_torch_threads(cfg.model.torch_threads)
@@ -74,7 +79,8 @@ class Run:
     @classmethod
     def create(cls, cfg: RunConfig, quiet: bool = False) -> Run:
         """A new run folder (or the existing one of the same name, which is then resumed)."""
-        name = cfg.name or f"{cfg.method}-{cfg.env.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        # every rank of a distributed run must name the same folder, whatever its clock says
+        name = cfg.name or dist.broadcast(f"{cfg.method}-{cfg.env.name}-{time.strftime('%Y%m%d-%H%M%S')}")
         cfg.name = name
         return cls(cfg, Path(cfg.output_dir) / name, quiet=quiet)
 
@@ -90,15 +96,33 @@ class Run:
         return cls(cfg, run_dir, quiet=quiet)
 
     # -- phases --------------------------------------------------------------------------------
-    def phase(self, name: str, fn: Callable[[], Any]) -> Any:
-        """Run fn once: its JSON result is recorded in state.json and returned again on resume."""
+    def phase(self, name: str, fn: Callable[[], Any], all_ranks: bool = False) -> Any:
+        """Run fn once: its JSON result is recorded in state.json and returned again on resume.
+
+        Under `accelerate launch`, fn runs on rank 0 and its result is broadcast (collection, evaluation, anything
+        that writes the run folder); with all_ranks every rank runs it (training through train()).
+        """
         if name in self.state:
             return self.state[name]
-        result = fn()
+        if self.main or all_ranks:
+            try:
+                result = fn()
+            except BaseException as exc:
+                if not all_ranks:
+                    dist.broadcast({_PHASE_FAILED: f"{type(exc).__name__}: {exc}"})
+                raise
+        else:
+            result = None
+        if not all_ranks:
+            result = dist.broadcast(result)
+            if isinstance(result, dict) and _PHASE_FAILED in result:
+                raise AgentevoError(f"phase {name} failed on rank 0 ({result[_PHASE_FAILED]}); see its output")
         self.state[name] = result
-        tmp = self.state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.state, indent=1, default=str))
-        os.replace(tmp, self.state_path)
+        if self.main:
+            tmp = self.state_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.state, indent=1, default=str))
+            os.replace(tmp, self.state_path)
+        dist.barrier()
         return result
 
     # -- environments --------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import yaml
 
+from agentevo import dist
 from agentevo.algorithms import losses
 from agentevo.data.store import ExperienceStore
 from agentevo.data.tensors import StepSample, reply_logprobs, trajectory_samples
@@ -69,14 +70,21 @@ def train_bc(run: Any, policy: TransformersPolicy, trajs: list[Trajectory], name
     cfg = run.cfg
     samples = expert_samples(policy, trajs, cfg.agent.history_window, cfg.optim.max_length)
     model = with_lora(policy, cfg)
+    lora, distributed = cfg.model.lora.enabled, dist.world_size() > 1
+    # Several processes, full fine-tuning: train() gathers the weights from any layout (FSDP, ZeRO-3) and rank 0
+    # writes the folder. LoRA under DDP: every rank holds the whole model, so it merges and rank 0 saves.
+    save_to = run.checkpoint_dir(name) if distributed and not lora else None
     with run.progress(f"{name} training") as bar:
         stats = train(model, samples, nll_loss, cfg.optim, policy.pad_id, run.checkpoint_dir(f"{name}-work"),
-                      cfg.seed, run.logger, f"{name}/train", policy.tokenizer, bar.training_callback())
-    if cfg.model.lora.enabled:
+                      cfg.seed, run.logger, f"{name}/train", policy.tokenizer, bar.training_callback(),
+                      save_to=save_to)
+    if lora:
         policy.model = policy.model.merge_and_unload()
     policy.policy_id = name
-    policy.save(run.checkpoint_dir(name))
-    return {**stats, "samples": len(samples)}
+    if save_to is None and run.main:
+        policy.save(run.checkpoint_dir(name))
+    dist.barrier()
+    return {**stats, "samples": len(samples), "processes": dist.world_size()}
 
 
 def run(run: Any) -> dict[str, Any]:
@@ -110,7 +118,7 @@ def warm_start(run: Any) -> dict[str, Any]:
         policy = run.load_policy("init")
         return train_bc(run, policy, trajs, "bc")
 
-    results["bc"] = run.phase("bc", do_bc)
+    results["bc"] = run.phase("bc", do_bc, all_ranks=True)
     results["eval/bc"] = run.phase("eval/bc", lambda: run.evaluate(run.rollout_policy("bc"), "bc"))
     return results
 

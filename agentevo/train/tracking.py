@@ -11,11 +11,13 @@ from typing import Any
 class MetricsLogger:
     """Appends metric records under fixed names; readable while the run goes on (`tail -f metrics.jsonl`)."""
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True) -> None:
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, enabled: bool = True) -> None:
+        """enabled=False (the other ranks of a distributed run) keeps the reader and writes nothing."""
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.enabled = enabled
         self._tb: Any = None
-        if tensorboard:
+        if tensorboard and enabled:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -25,6 +27,8 @@ class MetricsLogger:
 
     def log(self, phase: str, step: int, metrics: dict[str, Any]) -> None:
         """Write one record: the phase (e.g. 'bc/train', 'eval/bc/test'), a step counter and scalar metrics."""
+        if not self.enabled:
+            return
         record = {"time": time.time(), "phase": phase, "step": step, **metrics}
         with open(self.path, "a") as fh:
             fh.write(json.dumps(record, default=float) + "\n")
