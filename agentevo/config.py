@@ -131,6 +131,7 @@ class RolloutConfig:
     batch_size: int = _help("largest generation batch", 16)
     prefix_cache: int = _help("finished sequences whose keys/values the transformers backend keeps so the next turn "
                               "of an episode only runs its new tokens (0 = off)", 64)
+    prefix_cache_gb: float = _help("memory bound of those keys/values (GiB)", 4.0)
     workers: str = _help("environment workers: 'thread', 'process' or 'ray' (Ray actors; RAY_ADDRESS names the "
                          "cluster, else a local Ray is started)", "thread")
     temperature: float = _help("sampling temperature for collection (evaluation is greedy)", 0.7)
@@ -142,6 +143,8 @@ class RolloutConfig:
             raise ConfigError(f"rollout.workers must be one of {', '.join(WORKERS)} (got {self.workers!r})")
         if self.n_parallel < 1 or self.batch_size < 1:
             raise ConfigError("rollout.n_parallel and rollout.batch_size must be >= 1")
+        if self.prefix_cache_gb <= 0:
+            raise ConfigError(f"rollout.prefix_cache_gb must be > 0 (got {self.prefix_cache_gb})")
         if self.prefix_cache < 0:
             raise ConfigError(f"rollout.prefix_cache must be >= 0 (0 turns it off; got {self.prefix_cache})")
         if self.temperature < 0:

@@ -162,7 +162,8 @@ class Run:
             path = self.checkpoint_dir(str(name_or_path))
         model, tokenizer = load_pretrained(path)
         return TransformersPolicy(
-            model, tokenizer, policy_id or path.name, self.cfg.rollout.batch_size, self.cfg.rollout.prefix_cache
+            model, tokenizer, policy_id or path.name, self.cfg.rollout.batch_size, self.cfg.rollout.prefix_cache,
+            self.cfg.rollout.prefix_cache_gb,
         )
 
     def rollout_policy(self, name_or_path: str | Path, policy_id: str | None = None) -> Any:

@@ -138,3 +138,13 @@ def test_a_prefix_shared_by_fresh_episodes_runs_once(pair) -> None:  # noqa: ANN
         assert g.token_ids == w.token_ids
     assert cached.kv_cache.misses == len(shared) + sum(len(p) - len(shared) for p in prompts)
     assert cached.kv_cache.hits == len(shared) * len(prompts)
+
+
+def test_byte_budget_evicts_oldest(tiny_policy: TransformersPolicy) -> None:
+    kv = [(torch.zeros(1, 3, 2), torch.zeros(1, 3, 2))]  # 2 x 6 floats = 48 bytes per entry
+    cache = PrefixKVCache(tiny_policy.model, capacity=10, max_bytes=100)
+    for k in range(3):
+        cache.store(torch.tensor([k, 1, 2]), kv, None)
+    assert [e.tokens[0].item() for e in cache.entries.values()] == [1, 2] and cache.bytes == 96
+    cache.clear()
+    assert cache.bytes == 0

@@ -65,9 +65,11 @@ class TransformersPolicy:
     """A causal LM from transformers acting as a policy: generate(), token_logprobs(), save()."""
 
     def __init__(
-        self, model: Any, tokenizer: Any, policy_id: str = "init", batch_size: int = 16, prefix_cache: int = 64
+        self, model: Any, tokenizer: Any, policy_id: str = "init", batch_size: int = 16, prefix_cache: int = 64,
+        prefix_cache_gb: float = 4.0,
     ) -> None:
-        """prefix_cache: sequences whose keys/values are kept for reuse across turns (0 = off, plain generate)."""
+        """prefix_cache: sequences whose keys/values are kept for reuse across turns (0 = off, plain generate),
+        in at most prefix_cache_gb GiB."""
         self.model = model
         self.tokenizer = tokenizer
         self.renderer = ChatRenderer(tokenizer)
@@ -76,7 +78,8 @@ class TransformersPolicy:
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         self.pad_id = int(tokenizer.pad_token_id)
-        self.kv_cache = PrefixKVCache(model, prefix_cache) if prefix_cache > 0 and supports_prefix_cache(model) else None
+        self.kv_cache = (PrefixKVCache(model, prefix_cache, int(prefix_cache_gb * (1 << 30)))
+                         if prefix_cache > 0 and supports_prefix_cache(model) else None)
 
     @property
     def device(self) -> torch.device:
@@ -102,7 +105,7 @@ class TransformersPolicy:
         if self.kv_cache is None:
             return False
         if self.kv_cache.model is not self.model:  # the model was swapped (e.g. wrapped with LoRA)
-            self.kv_cache = PrefixKVCache(self.model, self.kv_cache.capacity)
+            self.kv_cache = PrefixKVCache(self.model, self.kv_cache.capacity, self.kv_cache.max_bytes)
         return True
 
     def _generate_cached(self, prompts: list[list[int]], sampling: Sampling) -> list[Generation]:

@@ -30,7 +30,8 @@ def initial_policy(cfg: RunConfig, corpus: list[str]) -> TransformersPolicy:
         tokenizer = train_tokenizer(corpus, cfg.model.tiny.vocab_size)
         model = build_tiny_model(cfg.model.tiny, tokenizer, cfg.seed)
     model.eval()
-    return TransformersPolicy(model, tokenizer, "init", cfg.rollout.batch_size, cfg.rollout.prefix_cache)
+    return TransformersPolicy(model, tokenizer, "init", cfg.rollout.batch_size, cfg.rollout.prefix_cache,
+                              cfg.rollout.prefix_cache_gb)
 
 
 def with_lora(policy: TransformersPolicy, cfg: RunConfig) -> Any:

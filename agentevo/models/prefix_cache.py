@@ -6,7 +6,8 @@ CPU rollouts. Here the keys/values of every finished reply (prompt + generated t
 only runs the tokens after its longest common prefix with a kept entry (a sliding history window still reuses the
 instruction and goal). Rows of a batch may have different cached lengths: each row is laid out as
 [left pad][cached prefix][pad][new tokens] with an attention mask and explicit position ids, so one forward pass
-serves the whole batch, and finished rows leave the batch as soon as they stop.
+serves the whole batch; finished rows leave it once half of the batch has stopped. The cache is bounded by a
+count of sequences and by bytes (keys/values of an 8B model take about 0.3 MB per token in fp32).
 
 Entries are dropped whenever the model's weights change (parameter version counters move on every in-place
 update: optimizer steps, load_state_dict), so a trained policy never reads keys/values of its former self.
@@ -56,14 +57,19 @@ class _Entry:
     tokens: torch.Tensor  # 1-D token ids whose keys/values are in kv
     kv: KV
 
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.kv)
+
 
 class PrefixKVCache:
     """Keys/values of recent sequences, found by longest common prefix; cleared when the weights change."""
 
-    def __init__(self, model: Any, capacity: int = 64) -> None:
+    def __init__(self, model: Any, capacity: int = 64, max_bytes: int = 4 << 30) -> None:
         self.model = model
-        self.capacity = capacity
+        self.capacity, self.max_bytes = capacity, max_bytes
         self.entries: OrderedDict[int, _Entry] = OrderedDict()
+        self.bytes = 0
         self._next = 0
         self._fingerprint = self._weights_fingerprint()
         self.hits = 0  # prompt tokens served from the cache
@@ -85,6 +91,7 @@ class PrefixKVCache:
 
     def clear(self) -> None:
         self.entries.clear()
+        self.bytes = 0
 
     def lookup(self, prompt: torch.Tensor) -> tuple[int, int | None]:
         """(length of the longest cached prefix of prompt, the entry holding it); (0, None) when nothing matches."""
@@ -107,11 +114,13 @@ class PrefixKVCache:
         if replaces is not None and replaces in self.entries:
             old = self.entries[replaces].tokens
             if len(old) <= len(tokens) and bool((tokens[: len(old)] == old).all()):
-                del self.entries[replaces]
-        self.entries[self._next] = _Entry(tokens, kv)
+                self.bytes -= self.entries.pop(replaces).nbytes
+        entry = _Entry(tokens, kv)
+        self.entries[self._next] = entry
+        self.bytes += entry.nbytes
         self._next += 1
-        while len(self.entries) > self.capacity:
-            self.entries.popitem(last=False)
+        while self.entries and (len(self.entries) > self.capacity or self.bytes > self.max_bytes):
+            self.bytes -= self.entries.popitem(last=False)[1].nbytes
 
 
 def _forward(model: Any, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> Any:
