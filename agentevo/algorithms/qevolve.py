@@ -24,6 +24,7 @@ import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,9 +34,11 @@ from agentevo.algorithms import advantages as adv_math
 from agentevo.algorithms import losses
 from agentevo.algorithms.bc import warm_start
 from agentevo.algorithms.qevolve_config import QEvolveConfig
+from agentevo.data.store import ExperienceStore
 from agentevo.data.tensors import StepSample, collate, reply_logprobs, trajectory_samples
 from agentevo.data.types import Trajectory
 from agentevo.envs.base import SIGNALS
+from agentevo.errors import ConfigError
 from agentevo.eval.metrics import summarize
 from agentevo.models.backend import Generation, Sampling, TransformersPolicy, load_pretrained
 from agentevo.models.critic import (
@@ -127,6 +130,8 @@ def acting_policy(run: Any, r: int) -> Any:
 def collect_self(run: Any, r: int) -> dict[str, Any]:
     """Roll pi_{r-1} at the collection temperature, n_self_per_task times per training task, into round-r/self."""
     cfg, q = run.cfg, run.cfg.qevolve
+    if r == 1 and q.round1_data_from:
+        return import_round1_data(run, Path(q.round1_data_from))
     policy = acting_policy(run, r - 1)
     tasks = run.tasks("train")
     sampling = Sampling(q.collect_temperature, cfg.rollout.top_p, cfg.agent.max_new_tokens, seed=cfg.seed * 7919 + r)
@@ -138,6 +143,40 @@ def collect_self(run: Any, r: int) -> dict[str, Any]:
     ]
     trajs = run.collect(actor, requests, f"round-{r}/self", f"round {r}: collect with {policy.policy_id}")
     return {"policy": policy.policy_id, "task_hash": tasks.hash, **summarize(trajs)}
+
+
+ROUND1_DATA_KEYS = ("seed", "env", "model", "agent", "bc", "rollout.top_p", "qevolve.n_self_per_task",
+                    "qevolve.collect_temperature")
+
+
+def import_round1_data(run: Any, source: Path) -> dict[str, Any]:
+    """Copy round-1/self from a run that collected it with the same seed, pi_BC and collection settings."""
+    import yaml
+
+    state_path, config_path = source / "state.json", source / "config.yaml"
+    if not state_path.exists() or not config_path.exists():
+        raise ConfigError(f"qevolve.round1_data_from: {str(source)!r} is not a run folder; give runs/NAME")
+    state = json.loads(state_path.read_text())
+    if "round-1/collect" not in state:
+        raise ConfigError(f"qevolve.round1_data_from: {str(source)!r} has not finished its round-1 collection")
+    theirs, ours = yaml.safe_load(config_path.read_text()), yaml.safe_load((run.dir / "config.yaml").read_text())
+    for key in ROUND1_DATA_KEYS:
+        a, b = ours, theirs
+        for part in key.split("."):
+            a, b = (a or {}).get(part), (b or {}).get(part)
+        if a != b:
+            raise ConfigError(f"qevolve.round1_data_from: {key} is {a!r} here but {b!r} in {str(source)!r}; "
+                              "the data would not be what this run collects")
+    store = ExperienceStore(source / "experience.db")
+    try:
+        trajs = store.load(collection="round-1/self")
+    finally:
+        store.close()
+    done = run.store.done_slots("round-1/self")
+    for traj in trajs:
+        if int(traj.meta["slot"]) not in done:
+            run.store.add(traj, "round-1/self", int(traj.meta["slot"]))
+    return {**state["round-1/collect"], "imported_from": str(source)}
 
 
 @dataclass

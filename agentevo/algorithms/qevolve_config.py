@@ -21,6 +21,10 @@ class QEvolveConfig:
 
     # -- the loop (2.3 steps 1, 6)
     n_iters: int = option("evolving iterations K [S: ALFWorld 2, SciWorld 2, WebShop 3]", 2)
+    round1_data_from: str | None = option(
+        "a run folder whose round-1 self-collected data this run reuses: ablations that differ only after collection "
+        "(rr, wiql, pr, pi, ...) then train on the same D_self; seed, pi_BC and collection settings must match [O]",
+        None)
     n_self_per_task: int = option("self-collected trajectories per training task N_self [S '33 per task', meaning §8]", 33)
     collect_temperature: float = option("sampling temperature for D_self [P:ETO explore cfg, O for Q-Evolve]", 0.7)
     buffer: str = option("D_self each round: 'refresh' (replace) or 'accumulate' (keep older rounds) [O]", "refresh")

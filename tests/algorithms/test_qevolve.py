@@ -391,3 +391,44 @@ def test_lora_policy_rounds_share_the_bc_base(tiny_policy, tmp_path) -> None:  #
         assert not any(p.requires_grad for n, p in pi1.model.named_parameters() if "lora_" not in n)
     finally:
         run.close()
+
+
+def test_round1_data_from_copies_the_collection_and_checks_settings(tmp_path) -> None:  # noqa: ANN001
+    import json
+
+    from agentevo.algorithms.qevolve import import_round1_data
+    from agentevo.config import load_config
+    from agentevo.data.types import Step, Trajectory
+    from agentevo.envs.base import Task
+    from agentevo.errors import ConfigError
+    from agentevo.run import Run
+
+    def make(name: str, *sets: str) -> Run:
+        cfg = load_config(None, ["env.n_train=4", "env.n_test=2", *sets], method="qevolve", name=name,
+                          output_dir=str(tmp_path))
+        return Run.create(cfg, quiet=True)
+
+    src = make("main")
+    for slot in range(3):
+        task = Task("twx-cookingworld", f"t{slot}", "train", "cookingworld", {}, 5)
+        steps = [Step(1, "obs", "Action: look", [5, 6], [-0.5, -0.1], "look", "next", 0.0, True)]
+        src.store.add(Trajectory(task, "self", "bc", "Instr.", steps, float(slot == 1), slot == 1), "round-1/self",
+                      slot)
+    src.state["round-1/collect"] = {"n": 3, "success_rate": 1 / 3}
+    (src.dir / "state.json").write_text(json.dumps(src.state))
+    src.close()
+
+    ablation = make("wo-rr", "qevolve.rr=false")
+    out = import_round1_data(ablation, tmp_path / "main")
+    got = ablation.store.load(collection="round-1/self")
+    assert [t.meta["slot"] for t in got] == [0, 1, 2] and [t.success for t in got] == [False, True, False]
+    assert got[0].steps[0].action_ids == [5, 6] and got[0].steps[0].logprobs == pytest.approx([-0.5, -0.1])
+    assert out["imported_from"] == str(tmp_path / "main") and out["n"] == 3
+    import_round1_data(ablation, tmp_path / "main")  # again (a resumed run): nothing is stored twice
+    assert len(ablation.store.load(collection="round-1/self")) == 3
+    ablation.close()
+
+    other = make("other-seed", "seed=3")
+    with pytest.raises(ConfigError, match="seed is 3 here but 0"):
+        import_round1_data(other, tmp_path / "main")
+    other.close()
