@@ -31,8 +31,9 @@ def test_groups_by_seed_suffix_with_mean_and_sd(tmp_path: Path) -> None:
     ]
     groups = group_runs(runs, "test")
     assert [g.name for g in groups] == ["qe", "wo-pi"]
-    assert [p.env_steps for p in groups[0].points["round-1"]] == [500.0, 700.0]
-    assert groups[0].points["bc"][0].env_steps == 100.0
+    # self-collected steps: cumulative minus the 100 expert steps; the BC point is 0
+    assert [p.env_steps for p in groups[0].points["round-1"]] == [400.0, 600.0]
+    assert groups[0].points["bc"][0].env_steps == 0.0
     path, table = compare(runs, "test", tmp_path / "out")
     # round-1 of qe: mean of 30 and 10 = 20, sample sd = sqrt(((10)^2 + (10)^2) / 1) = 14.1
     assert "| qe | 2 | 20.0 ± 0.0 (n=2) | 20.0 ± 14.1 (n=2) |" in table

@@ -2,8 +2,8 @@
 
 Runs are grouped by name with a trailing seed suffix removed (`qe-cw-s0`, `qe-cw-s1` -> `qe-cw`). Evaluation
 points are the `eval/<label>` phases of state.json (`bc`, `round-1`, `update-4`, ...), in the order they ran.
-Environment steps spent on training data at each point come from the run's own records (Q-Evolve's
-`round-r/label.env_steps_cumulative`, GRPO's `train_env_steps`); `bc` counts the expert demos' steps.
+Environment steps at each point are those the run collected after its BC warm start (Q-Evolve's self-collected
+steps, `round-r/label`; GRPO's `train_env_steps`); `bc` is 0.
 """
 
 from __future__ import annotations
@@ -40,16 +40,16 @@ class Group:
 
 
 def _env_steps(state: dict[str, Any], label: str, result: dict[str, Any]) -> float | None:
+    """Environment steps the run collected after its BC warm start, up to this evaluation (bc = 0)."""
     if "train_env_steps" in result:
         return float(result["train_env_steps"])
+    if label == "bc":
+        return 0.0
     match = re.fullmatch(r"round-(\d+)", label)
     if match:
         rec = state.get(f"round-{match.group(1)}/label", {})
-        return float(rec["env_steps_cumulative"]) if "env_steps_cumulative" in rec else None
-    if label == "bc":
-        rec = state.get("round-1/label", {})
-        if "env_steps_expert" in rec:
-            return float(rec["env_steps_expert"])
+        if "env_steps_cumulative" in rec:
+            return float(rec["env_steps_cumulative"] - rec.get("env_steps_expert", 0))
     return None
 
 
@@ -107,7 +107,9 @@ def plot_groups(groups: list[Group], labels: list[str], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
-    for g in groups:
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for n, g in enumerate(groups):
+        color = colors[n % len(colors)]
         xs, means, sds, steps = [], [], [], []
         for x, label in enumerate(labels):
             pts = g.points.get(label, [])
@@ -119,15 +121,15 @@ def plot_groups(groups: list[Group], labels: list[str], path: Path) -> None:
             sds.append(sd)
             known = [p.env_steps for p in pts if p.env_steps is not None]
             steps.append(statistics.fmean(known) if len(known) == len(pts) else None)
-        left.errorbar(xs, means, yerr=sds, marker="o", capsize=3, label=g.name)
+        left.errorbar(xs, means, yerr=sds, marker="o", capsize=3, label=g.name, color=color)
         paired = [(s, m, d) for s, m, d in zip(steps, means, sds, strict=True) if s is not None]
         if paired:
             right.errorbar([p[0] for p in paired], [p[1] for p in paired], yerr=[p[2] for p in paired], marker="o",
-                           capsize=3, label=g.name)
+                           capsize=3, label=g.name, color=color)
     left.set_xticks(range(len(labels)), labels, rotation=30, fontsize=8)
     left.set_ylabel("held-out success (%)")
     left.set_title("success per evaluation point (mean ± sd over seeds)", fontsize=9)
-    right.set_xlabel("training env steps (expert + self-collected)")
+    right.set_xlabel("env steps collected after the BC warm start")
     right.set_title("success vs environment steps used", fontsize=9)
     left.legend(fontsize=7)
     fig.tight_layout()
