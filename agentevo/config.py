@@ -81,6 +81,10 @@ class ModelConfig:
     tiny: TinyModelConfig = _help("tiny-model shape (used when path is null)", factory=TinyModelConfig)
     lora: LoraConfig = _help("LoRA settings", factory=LoraConfig)
     torch_threads: int | None = _help("torch threads (null = idle cores, at least 1)", None)
+    device: str = _help("where this process's models live: auto (its GPU, cuda:LOCAL_RANK, when torch sees one, "
+                        "else the CPU), cpu, cuda or cuda:N", "auto")
+    dtype: str = _help("weights of loaded models: float32, bfloat16 or float16 (bf16/fp16 train in that precision; "
+                       "for mixed precision keep float32 and set accelerate's mixed_precision)", "float32")
     backend: str = _help("what generates rollouts and evaluations: transformers (in this process), vllm (a vLLM "
                          "engine on this machine's GPUs) or http (an OpenAI-compatible server); training always "
                          "uses transformers", "transformers")
@@ -92,6 +96,10 @@ class ModelConfig:
             raise ConfigError(f"model.backend must be one of {', '.join(BACKENDS)} (got {self.backend!r})")
         self.vllm.validate()
         self.http.validate()
+        from agentevo.models import placement
+
+        placement.resolve_device(self.device)
+        placement.resolve_dtype(self.dtype)
         if self.path is not None:
             p = Path(self.path).expanduser()
             if not p.exists():

@@ -29,7 +29,7 @@ def is_main() -> bool:
     return rank() == 0
 
 
-def _ensure_group() -> None:
+def ensure_group() -> None:
     """Join the process group with a long timeout before accelerate would start it with its 30-minute default."""
     import torch
     import torch.distributed as dist
@@ -47,7 +47,7 @@ def broadcast(obj: Any) -> Any:
         return obj
     import torch.distributed as dist
 
-    _ensure_group()
+    ensure_group()
     box = [obj if is_main() else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
@@ -58,5 +58,5 @@ def barrier() -> None:
         return
     import torch.distributed as dist
 
-    _ensure_group()
+    ensure_group()
     dist.barrier()

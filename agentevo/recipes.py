@@ -26,8 +26,12 @@ RECIPES: dict[str, str] = {
     "reflexion": "agentevo.algorithms.reflexion:run",
 }
 
-# Recipes whose phases are marked for `accelerate launch` (rank-0 collection/evaluation, training on every rank).
-DISTRIBUTED_RECIPES = frozenset({"bc"})
+# Recipes whose phases are marked for `accelerate launch`: collection, evaluation, critic / Q-network fitting and
+# teacher scoring run on rank 0; every policy fine-tuning phase (agentevo/train/finetune.py) and every GRPO /
+# Self-Guide update (grpo.PolicyTrainer under DDP) runs on every rank.
+DISTRIBUTED_RECIPES = frozenset(
+    {"bc", "qevolve", "eto", "rsd", "gt_sft", "gt_opsd", "bon_sft", "grpo", "selfguide"}
+)
 
 
 def get_recipe(name: str) -> Callable[[Any], dict[str, Any]]:

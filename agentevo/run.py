@@ -20,6 +20,7 @@ from agentevo.data.types import Trajectory
 from agentevo.envs import TaskList, make_env
 from agentevo.errors import AgentevoError, ConfigError
 from agentevo.eval.metrics import summarize
+from agentevo.models import placement
 from agentevo.models.backend import Sampling, TransformersPolicy, load_pretrained, set_torch_threads
 from agentevo.rollout.engine import EpisodeRequest, PolicyActor, run_episodes
 from agentevo.rollout.workers import make_pool
@@ -72,6 +73,7 @@ class Run:
         self.state_path = self.dir / "state.json"
         self.state: dict[str, Any] = json.loads(self.state_path.read_text()) if self.state_path.exists() else {}
         self.threads = set_torch_threads(cfg.model.torch_threads)
+        placement.configure(cfg.model.device, cfg.model.dtype)
         self._signal_env: Any = None
         self._engine: Any = None  # the vLLM engine of this run (model.backend = vllm), kept across rounds
 

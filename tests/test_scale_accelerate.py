@@ -189,6 +189,89 @@ def test_bc_recipe_under_two_processes_matches_one(tmp_path) -> None:  # noqa: A
         assert torch.allclose(a, b, atol=1e-5)
     assert two.stdout.count("success") == 1  # one summary table, from rank 0
 
-    refused = _launch(2, ["train", "qevolve", *RECIPE_SMALL, "--name", "q", "--output-dir", str(tmp_path)])
+    refused = _launch(2, ["train", "qlass", *RECIPE_SMALL, "--name", "g", "--output-dir", str(tmp_path)])
     assert refused.returncode != 0
-    assert "recipe 'qevolve' does not run under accelerate launch yet" in refused.stderr
+    assert "recipe 'qlass' does not run under accelerate launch yet" in refused.stderr
+
+
+QEVOLVE_SMALL = [
+    "qevolve", "--config", "configs/qevolve_twx.yaml", *RECIPE_SMALL[2:],
+    "--set", "qevolve.n_iters=1", "--set", "qevolve.n_self_per_task=2", "--set", "qevolve.critic_hidden=16",
+    "--set", "qevolve.critic_batch_size=4", "--set", "qevolve.critic_micro_batch_size=2",
+    "--set", "qevolve.policy_batch_size=4", "--set", "qevolve.policy_micro_batch_size=1",
+    "--set", "qevolve.policy_epochs=2", "--set", "qevolve.policy_lr=1e-3", "--set", "agent.history_window=3",
+]
+
+
+@pytest.mark.slow
+def test_qevolve_under_two_processes_matches_one(tmp_path) -> None:  # noqa: ANN001
+    """Q-Evolve: rank 0 collects, fits the critic and labels; both ranks run the policy update (finetune)."""
+    import sqlite3
+
+    from transformers import AutoModelForCausalLM
+
+    one = subprocess.run([sys.executable, "-m", "agentevo.cli", "train", *QEVOLVE_SMALL, "--name", "one",
+                          "--output-dir", str(tmp_path)], env=_env(), cwd=REPO, timeout=900, capture_output=True,
+                         text=True)
+    assert one.returncode == 0, one.stderr
+    two = _launch(2, ["train", *QEVOLVE_SMALL, "--name", "two", "--output-dir", str(tmp_path)])
+    assert two.returncode == 0, two.stderr
+    states = {k: json.loads((tmp_path / k / "state.json").read_text()) for k in ("one", "two")}
+    policy = {k: states[k]["round-1/policy"] for k in states}
+    assert (policy["one"]["processes"], policy["two"]["processes"]) == (1, 2)
+    assert policy["one"]["samples"] == policy["two"]["samples"] > 0
+    for key in ("loss", "kl_ref", "kl_old", "tokens"):
+        assert policy["two"][key] == pytest.approx(policy["one"][key], rel=1e-4, abs=1e-6), key
+    critic = {k: {m: v for m, v in states[k]["round-1/critic"].items() if v is not None} for k in states}
+    assert critic["two"] == pytest.approx(critic["one"], rel=1e-5)  # fitted once, on rank 0
+    assert states["two"]["eval/round-1"] == states["one"]["eval/round-1"]
+    with sqlite3.connect(tmp_path / "two" / "experience.db") as conn:
+        counts = dict(conn.execute("SELECT collection, COUNT(*) FROM trajectories GROUP BY collection").fetchall())
+    assert counts["round-1/self"] == 8  # 4 tasks x 2, played once, not once per rank
+    models = [AutoModelForCausalLM.from_pretrained(tmp_path / k / "checkpoints" / "round-1") for k in ("one", "two")]
+    moved = 0.0
+    bc = AutoModelForCausalLM.from_pretrained(tmp_path / "one" / "checkpoints" / "bc")
+    for a, b, c in zip(models[0].parameters(), models[1].parameters(), bc.parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-5)
+        moved = max(moved, float((a - c).detach().abs().max()))
+    assert moved > 1e-4  # the update changed the policy
+
+
+GRPO_SMALL = [
+    "grpo", "--config", "configs/grpo_twx.yaml", *RECIPE_SMALL[2:],
+    "--set", "grpo.n_updates=2", "--set", "grpo.tasks_per_update=2", "--set", "grpo.group_size=3",
+    "--set", "grpo.batch_size=5", "--set", "grpo.micro_batch_size=1", "--set", "grpo.eval_every=2",
+    "--set", "grpo.lr=1e-3", "--set", "grpo.ppo_epochs=2", "--set", "agent.history_window=3",
+    # The untrained tiny model never succeeds, so every group's outcome advantages are 0: a per-step penalty on its
+    # format errors gives the update a gradient to share.
+    "--set", "grpo.invalid_penalty=0.5", "--set", "grpo.penalty_mode=step",
+]
+
+
+@pytest.mark.slow
+def test_grpo_under_two_processes_matches_one(tmp_path) -> None:  # noqa: ANN001
+    """GRPO: rank 0 rolls out and labels, both ranks run the DDP update; 6 rows per update = batches of 5 and 1,
+    so the short batch gives one rank a zero-weight stand-in micro-batch."""
+    from transformers import AutoModelForCausalLM
+
+    one = subprocess.run([sys.executable, "-m", "agentevo.cli", "train", *GRPO_SMALL, "--name", "one",
+                          "--output-dir", str(tmp_path)], env=_env(), cwd=REPO, timeout=900, capture_output=True,
+                         text=True)
+    assert one.returncode == 0, one.stderr
+    two = _launch(2, ["train", *GRPO_SMALL, "--name", "two", "--output-dir", str(tmp_path)])
+    assert two.returncode == 0, two.stderr
+    states = {k: json.loads((tmp_path / k / "state.json").read_text()) for k in ("one", "two")}
+    for k in (1, 2):
+        a, b = states["one"][f"update-{k}"], states["two"][f"update-{k}"]
+        assert a["rollout_n"] == b["rollout_n"] == 6
+        assert a["grad_norm"] > 0.1
+        for key in ("loss", "pg_loss", "kl", "tokens", "grad_norm", "rollout_success_rate"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (k, key)
+    assert states["two"]["eval/update-2"] == states["one"]["eval/update-2"]
+    models = [AutoModelForCausalLM.from_pretrained(tmp_path / k / "checkpoints" / "update-2") for k in ("one", "two")]
+    bc = AutoModelForCausalLM.from_pretrained(tmp_path / "one" / "checkpoints" / "bc")
+    moved = 0.0
+    for a, b, c in zip(models[0].parameters(), models[1].parameters(), bc.parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-5)
+        moved = max(moved, float((a - c).detach().abs().max()))
+    assert moved > 1e-4  # the updates changed the policy

@@ -16,16 +16,15 @@ from typing import Any
 import torch
 import yaml
 
-from agentevo import dist
 from agentevo.algorithms import losses
 from agentevo.data.store import ExperienceStore
 from agentevo.data.tensors import StepSample, reply_logprobs, trajectory_samples
 from agentevo.data.types import Trajectory
 from agentevo.errors import ConfigError
 from agentevo.models.backend import TransformersPolicy
-from agentevo.models.policy import initial_policy, tokenizer_corpus, with_lora
+from agentevo.models.policy import initial_policy, tokenizer_corpus
 from agentevo.rollout.engine import EpisodeRequest, ExpertActor
-from agentevo.train.loop import train
+from agentevo.train.finetune import finetune
 
 
 def nll_loss(model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
@@ -69,22 +68,7 @@ def train_bc(run: Any, policy: TransformersPolicy, trajs: list[Trajectory], name
     """BC on the given trajectories; saves checkpoints/<name> and returns the final training stats."""
     cfg = run.cfg
     samples = expert_samples(policy, trajs, cfg.agent.history_window, cfg.optim.max_length)
-    model = with_lora(policy, cfg)
-    lora, distributed = cfg.model.lora.enabled, dist.world_size() > 1
-    # Several processes, full fine-tuning: train() gathers the weights from any layout (FSDP, ZeRO-3) and rank 0
-    # writes the folder. LoRA under DDP: every rank holds the whole model, so it merges and rank 0 saves.
-    save_to = run.checkpoint_dir(name) if distributed and not lora else None
-    with run.progress(f"{name} training") as bar:
-        stats = train(model, samples, nll_loss, cfg.optim, policy.pad_id, run.checkpoint_dir(f"{name}-work"),
-                      cfg.seed, run.logger, f"{name}/train", policy.tokenizer, bar.training_callback(),
-                      save_to=save_to)
-    if lora:
-        policy.model = policy.model.merge_and_unload()
-    policy.policy_id = name
-    if save_to is None and run.main:
-        policy.save(run.checkpoint_dir(name))
-    dist.barrier()
-    return {**stats, "samples": len(samples), "processes": dist.world_size()}
+    return {**finetune(run, policy, samples, nll_loss, name), "samples": len(samples)}
 
 
 def run(run: Any) -> dict[str, Any]:

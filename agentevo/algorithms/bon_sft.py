@@ -14,9 +14,8 @@ from agentevo.algorithms.bc import nll_loss
 from agentevo.algorithms.rsd import prepare_base, round_tasks, sampling_actor
 from agentevo.data.tensors import trajectory_samples
 from agentevo.eval.metrics import summarize
-from agentevo.models.policy import with_lora
 from agentevo.rollout.engine import EpisodeRequest
-from agentevo.train.loop import train
+from agentevo.train.finetune import finetune
 
 
 def run(run: Any) -> dict[str, Any]:
@@ -43,17 +42,10 @@ def run(run: Any) -> dict[str, Any]:
         policy = run.load_policy(base)
         samples = [s for k, t in enumerate(kept)
                    for s in trajectory_samples(policy.renderer, t, k, cfg.agent.history_window, cfg.optim.max_length)]
-        model = with_lora(policy, cfg)
-        with run.progress("bon-sft training") as bar:
-            stats = train(model, samples, nll_loss, cfg.optim, policy.pad_id, run.checkpoint_dir("bon-sft-work"),
-                          cfg.seed, run.logger, "bon-sft/train", policy.tokenizer, bar.training_callback())
-        if cfg.model.lora.enabled:
-            policy.model = policy.model.merge_and_unload()
-        policy.policy_id = "bon-sft"
-        policy.save(run.checkpoint_dir("bon-sft"))
+        stats = finetune(run, policy, samples, nll_loss, "bon-sft")
         return {**stats, "samples": len(samples), "trajectories": len(kept)}
 
-    results["bon-sft"] = run.phase("bon-sft", sft)
+    results["bon-sft"] = run.phase("bon-sft", sft, all_ranks=True)
     final = "bon-sft" if results["bon-sft"].get("samples") else base
     results["eval/bon-sft"] = run.phase("eval/bon-sft", lambda: run.evaluate(run.rollout_policy(final), final))
     return results

@@ -23,15 +23,15 @@ from typing import Any
 
 import torch
 
+from agentevo import dist
 from agentevo.algorithms import losses
 from agentevo.algorithms.bc import warm_start
 from agentevo.data.tensors import StepSample, collate, reply_logprobs, trajectory_samples
 from agentevo.data.types import Trajectory
 from agentevo.eval.metrics import summarize
 from agentevo.models.backend import Sampling, TransformersPolicy
-from agentevo.models.policy import with_lora
 from agentevo.rollout.engine import EpisodeRequest, PolicyActor
-from agentevo.train.loop import train
+from agentevo.train.finetune import finetune
 
 # -- 2. preference pairs -------------------------------------------------------------------------
 
@@ -171,15 +171,8 @@ def train_dpo(run: Any, policy: TransformersPolicy, specs: list[PairSpec], itera
         cfg.optim, lr=eto.lr if iteration == 1 else eto.lr_later, epochs=eto.epochs, batch_size=eto.batch_size,
         micro_batch_size=eto.micro_batch_size, warmup_ratio=eto.warmup_ratio,
     )
-    model = with_lora(policy, cfg)
-    with run.progress(f"{name} DPO") as bar:
-        stats = train(model, pairs, dpo_loss_fn(beta), optim, policy.pad_id, run.checkpoint_dir(f"{name}-work"),
-                      cfg.seed + iteration, run.logger, f"eto/iter-{iteration}/train", policy.tokenizer,
-                      bar.training_callback(), collate_fn=collate_pairs, schedule=eto.schedule)
-    if cfg.model.lora.enabled:
-        policy.model = policy.model.merge_and_unload()
-    policy.policy_id = name
-    policy.save(run.checkpoint_dir(name))
+    stats = finetune(run, policy, pairs, dpo_loss_fn(beta), name, optim=optim, seed=cfg.seed + iteration,
+                     log_phase=f"eto/iter-{iteration}/train", collate_fn=collate_pairs, schedule=eto.schedule)
     return {**stats, "beta": beta, "lr": optim.lr}
 
 
@@ -211,11 +204,13 @@ def _iteration(run: Any, i: int, current: str, expert: dict[str, Trajectory]) ->
         policy = run.load_policy(current)
         if not specs:  # every exploration tied its expert: nothing to prefer, the policy carries over
             policy.policy_id = name
-            policy.save(run.checkpoint_dir(name))
+            if run.main:
+                policy.save(run.checkpoint_dir(name))
+            dist.barrier()
             return {**counts, "pairs": 0}
         return {**counts, "pairs": len(specs), **train_dpo(run, policy, specs, i, name)}
 
-    out["dpo"] = run.phase(f"eto/iter-{i}/dpo", dpo)
+    out["dpo"] = run.phase(f"eto/iter-{i}/dpo", dpo, all_ranks=True)
     out[f"eval/{name}"] = run.phase(f"eval/{name}", lambda: run.evaluate(run.rollout_policy(name), name))
     return out
 

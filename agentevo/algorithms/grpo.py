@@ -22,6 +22,7 @@ The recipe:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -34,6 +35,7 @@ from typing import Any
 
 import torch
 
+from agentevo import dist
 from agentevo.algorithms import losses
 from agentevo.algorithms.advantages import group_normalise
 from agentevo.algorithms.bc import warm_start
@@ -41,6 +43,7 @@ from agentevo.algorithms.grpo_config import GRPOConfig
 from agentevo.data.tensors import StepSample, collate, trajectory_samples
 from agentevo.data.types import Step, Trajectory
 from agentevo.envs.base import Task
+from agentevo.errors import ConfigError
 from agentevo.eval.metrics import summarize
 from agentevo.models.backend import Sampling, TransformersPolicy
 from agentevo.models.policy import with_lora
@@ -182,7 +185,12 @@ def grpo_loss(cfg: GRPOConfig) -> LossFn:
 
 
 class PolicyTrainer:
-    """The trained policy, its AdamW state kept across updates, and atomic save/restore of both."""
+    """The trained policy, its AdamW state kept across updates, and atomic save/restore of both.
+
+    Under `accelerate launch` (DDP only: rank 0 rolls out with the same in-memory model, which FSDP / ZeRO-3 would
+    shard) the model and optimiser are prepared once; each optimiser batch's micro-batches are dealt round-robin to
+    the ranks and every rank's loss is scaled so that DDP's mean over ranks is the single-process gradient.
+    """
 
     def __init__(self, policy: TransformersPolicy, run_cfg: Any, cfg: GRPOConfig) -> None:
         self.policy, self.cfg = policy, cfg
@@ -193,15 +201,43 @@ class PolicyTrainer:
         # Constant lr, one optimiser for the whole run: RL updates are a stream, not separate fine-tunings [O].
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=run_cfg.optim.betas,
                                            weight_decay=run_cfg.optim.weight_decay)
+        self.accelerator: Any = None
+        self.world, self.rank = dist.world_size(), dist.rank()
+
+    def distribute(self) -> None:
+        """Prepare model and optimiser for DDP (call after restore(); a no-op with one process)."""
+        if self.world == 1 or self.accelerator is not None:
+            return
+        from accelerate import Accelerator
+        from accelerate.utils import DistributedType
+
+        dist.ensure_group()
+        self.accelerator = Accelerator(cpu=not torch.cuda.is_available())
+        if self.accelerator.distributed_type not in (DistributedType.MULTI_GPU, DistributedType.MULTI_CPU):
+            raise ConfigError(
+                f"GRPO / Self-Guide under accelerate launch need DDP (configs/accelerate/ddp.yaml), not "
+                f"{self.accelerator.distributed_type.value}: rank 0 rolls out with the trained model, which FSDP / "
+                "ZeRO-3 shard; use the DDP config (with LoRA for large models)")
+        self.wrapped, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
+
+    def _local_micro_batches(self, micro: list[list[int]]) -> list[tuple[list[int], float]]:
+        """This rank's micro-batches of one optimiser batch and their loss scales (a zero-weight stand-in when
+        the batch has fewer micro-batches than ranks, so every rank takes part in DDP's all-reduce)."""
+        if self.world == 1:
+            return [(ids, 1.0) for ids in micro]
+        mine = [(ids, float(self.world)) for j, ids in enumerate(micro) if j % self.world == self.rank]
+        return mine or [(micro[0], 0.0)]
 
     def update(self, samples: list[StepSample], loss_fn: LossFn, seed: int,
                on_step: Callable[[int, dict[str, float]], None] | None = None) -> dict[str, float]:
         """ppo_epochs shuffled passes in optimiser batches of cfg.batch_size rows; returns the mean statistics."""
         cfg = self.cfg
+        self.distribute()
+        model = self.model if self.accelerator is None else self.wrapped
         rng = random.Random(seed)
         device = next(self.model.parameters()).device
         records: list[dict[str, float]] = []
-        self.model.train()
+        model.train()
         for _ in range(cfg.ppo_epochs):
             order = list(range(len(samples)))
             rng.shuffle(order)
@@ -210,22 +246,40 @@ class PolicyTrainer:
                 micro = [batch_ids[j : j + cfg.micro_batch_size] for j in range(0, len(batch_ids), cfg.micro_batch_size)]
                 self.optimizer.zero_grad()
                 acc: dict[str, float] = {}
-                for ids in micro:
+                local = self._local_micro_batches(micro)
+                for n, (ids, scale) in enumerate(local):
                     batch = {k: v.to(device) for k, v in collate([samples[i] for i in ids], self.policy.pad_id).items()}
-                    loss, stats = loss_fn(self.model, batch)
-                    # Micro-batches of a short last batch weigh by their share of its rows.
-                    (loss * len(ids) / len(batch_ids)).backward()
+                    sync = self.accelerator is None or n == len(local) - 1
+                    with contextlib.nullcontext() if sync else self.accelerator.no_sync(model):
+                        loss, stats = loss_fn(model, batch)
+                        # Micro-batches of a short last batch weigh by their share of its rows.
+                        (loss * (scale * len(ids) / len(batch_ids))).backward()
+                    counted = 1.0 if scale else 0.0  # a stand-in micro-batch adds nothing to the record
                     for key, v in {"loss": float(loss.detach()), **stats}.items():
                         # token counts add up over micro-batches; everything else is a row-weighted mean
-                        acc[key] = acc.get(key, 0.0) + (v if key == "tokens" else v * len(ids) / len(batch_ids))
-                acc["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)) \
-                    if cfg.grad_clip > 0 else 0.0
+                        share = 1.0 if key == "tokens" else len(ids) / len(batch_ids)
+                        acc[key] = acc.get(key, 0.0) + counted * v * share
+                acc = self._sum_over_ranks(acc, device)
+                acc["grad_norm"] = self._clip(cfg.grad_clip) if cfg.grad_clip > 0 else 0.0
                 self.optimizer.step()
                 records.append(acc)
                 if on_step is not None:
                     on_step(len(records), acc)
         self.model.eval()
         return {k: sum(r[k] for r in records) / len(records) for k in records[0]} if records else {}
+
+    def _sum_over_ranks(self, acc: dict[str, float], device: torch.device) -> dict[str, float]:
+        """Each rank's share of the batch statistics, added up: the same record on every rank."""
+        if self.accelerator is None:
+            return acc
+        keys = sorted(acc)  # the same keys on every rank: every rank runs at least one micro-batch
+        sums = torch.tensor([acc.get(k, 0.0) for k in keys], dtype=torch.float64, device=device)
+        return dict(zip(keys, self.accelerator.reduce(sums, reduction="sum").tolist(), strict=True))
+
+    def _clip(self, max_norm: float) -> float:
+        if self.accelerator is None:
+            return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        return float(self.accelerator.clip_grad_norm_(self.wrapped.parameters(), max_norm))
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def save(self, path: Path, state: dict[str, Any]) -> None:
@@ -331,6 +385,25 @@ def rollout_seed(run_seed: int, k: int) -> int:
     return run_seed * 1_000_003 + k * 7919
 
 
+def check_on_policy_backend(run: Any) -> None:
+    """On-policy updates need a generator that can take each update's weights: transformers or vLLM."""
+    if run.cfg.model.backend == "http":
+        raise ConfigError(f"{run.cfg.method} rolls out with the policy it is training, but model.backend: http talks "
+                          "to a server that keeps its own weights; use model.backend: vllm (weights refreshed every "
+                          "update) or transformers")
+
+
+def acting_policy(run: Any, trainer: PolicyTrainer, k: int) -> Any:
+    """π_{k−1}, which rolls out update k: the trained model itself with model.backend transformers; with vLLM the
+    weights after update k−1, exported to checkpoints/rollout and loaded into the run's engine in place."""
+    if run.cfg.model.backend == "transformers":
+        return trainer.policy
+    if k == 1:
+        return run.rollout_policy("bc", policy_id="bc")
+    trainer.export(run.checkpoint_dir("rollout"))
+    return run.rollout_policy("rollout", policy_id=f"update-{k - 1}")
+
+
 @dataclass
 class Labelled:
     """One update's rollouts and training rows (with per-token advantages), and method-specific log fields."""
@@ -365,14 +438,15 @@ def run_updates(
     """Updates 1..n_updates, each a resumable phase: rollouts + labels (method-specific), reference log-probs,
     the clipped-ratio update, a checkpoint (weights + optimiser), then the record; evaluations when due."""
     cfg, g = run.cfg, run.cfg.grpo
-    with run.pool() as pool:
+    # Under accelerate launch only rank 0 plays episodes: the other ranks get its labelled rows and train with it.
+    with run.pool() if run.main else contextlib.nullcontext(None) as pool:
         for k in range(1, g.n_updates + 1):
             if k > loop.done:
 
                 def do_update(k: int = k) -> dict[str, Any]:
                     loop.policy.policy_id = f"update-{k - 1}" if k > 1 else "bc"
                     t0 = time.perf_counter()
-                    labelled = rollout_and_label(k, pool)
+                    labelled = dist.broadcast(rollout_and_label(k, pool) if run.main else None)
                     add_ref_logprobs(loop.ref_model, labelled.samples, loop.policy.pad_id, g.micro_batch_size)
                     t2 = time.perf_counter()
                     with run.progress(f"update {k}: policy update") as bar:
@@ -388,11 +462,14 @@ def run_updates(
                         "time_rollout_s": labelled.t_rollout - t0, "time_advantage_s": t2 - labelled.t_rollout,
                         "time_update_s": t3 - t2,
                     }
+                    record = dist.broadcast(record)  # rank 0's timings on every rank
                     run.logger.log(loop.log_name, k, record)
-                    loop.trainer.save(loop.latest, {"update": k, "record": record})
+                    if run.main:
+                        loop.trainer.save(loop.latest, {"update": k, "record": record})
+                    dist.barrier()
                     return record
 
-                run.phase(f"update-{k}", do_update)
+                run.phase(f"update-{k}", do_update, all_ranks=True)
             elif f"update-{k}" not in run.state:
                 # Crashed after the checkpoint but before the phase was recorded: take the record from it.
                 run.phase(f"update-{k}", lambda: json.loads((loop.latest / "state.json").read_text())["record"])
@@ -417,6 +494,7 @@ def run(run: Any) -> dict[str, Any]:
     cfg, g = run.cfg, run.cfg.grpo
     # 0. Warm start: π_0 = π_ref = BC.
     results: dict[str, Any] = dict(warm_start(run))
+    check_on_policy_backend(run)
     policy = run.load_policy("bc", policy_id="bc")
     ref_model = run.load_policy("bc").model.eval().requires_grad_(False)
     trainer = PolicyTrainer(policy, cfg, g)
@@ -428,7 +506,7 @@ def run(run: Any) -> dict[str, Any]:
 
     def rollout_and_label(k: int, pool: Any) -> Labelled:
         # 1. G rollouts per task with the current policy.
-        actor = PolicyActor(policy, run.signal_env.instruction(), window,
+        actor = PolicyActor(acting_policy(run, trainer, k), run.signal_env.instruction(), window,
                             Sampling(g.temperature, g.top_p, cfg.agent.max_new_tokens, seed=rollout_seed(cfg.seed, k)))
         requests = group_requests(update_tasks(train_tasks, k, g.tasks_per_update), g.group_size)
         trajs = run.collect(actor, requests, f"update-{k}/collect", f"update {k}: rollouts", pool=pool)

@@ -54,7 +54,7 @@ from agentevo.models.critic import (
 )
 from agentevo.models.policy import with_lora
 from agentevo.rollout.engine import EpisodeRequest, PolicyActor
-from agentevo.train.loop import train
+from agentevo.train.finetune import finetune
 
 
 def run(run: Any) -> dict[str, Any]:
@@ -77,7 +77,7 @@ def evolve_round(run: Any, r: int) -> dict[str, Any]:
     out[f"round-{r}/advantages"] = run.phase(
         f"round-{r}/advantages", lambda: compute_advantages(run, r, data, cache)
     )  # step 4
-    out[f"round-{r}/policy"] = run.phase(f"round-{r}/policy", lambda: improve_policy(run, r, data))  # step 5
+    out[f"round-{r}/policy"] = run.phase(f"round-{r}/policy", lambda: improve_policy(run, r, data), all_ranks=True)  # step 5
     out[f"eval/round-{r}"] = run.phase(f"eval/round-{r}", lambda: evaluate_round(run, r))  # step 6
     return out
 
@@ -597,15 +597,11 @@ def improve_policy(run: Any, r: int, data: Dataset) -> dict[str, Any]:
     # Sanity: stored behaviour log-probs (sampling time) against the recomputed pi_{r-1} ones, self data only.
     diffs = [abs(a - b) for s, o in zip(samples, old, strict=True) if s.behaviour_logprobs
              for a, b in zip(s.behaviour_logprobs, o, strict=True)]
-    model = policy.model
-    model.train()
     optim = dataclasses.replace(cfg.optim, lr=q.policy_lr, epochs=q.policy_epochs, batch_size=q.policy_batch_size,
                                 micro_batch_size=q.policy_micro_batch_size)
-    with run.progress(f"round {r}: policy ({q.pi})") as bar:
-        stats = train(model, samples, policy_loss(q), optim, policy.pad_id, run.checkpoint_dir(f"round-{r}-work"),
-                      cfg.seed + r, run.logger, f"round-{r}/policy/train", policy.tokenizer, bar.training_callback())
-    policy.policy_id = f"round-{r}"
-    policy.save(run.checkpoint_dir(f"round-{r}"))
+    # With LoRA the round's policy is the adapter on pi_BC's frozen base: saved as an adapter, not merged.
+    stats = finetune(run, policy, samples, policy_loss(q), f"round-{r}", optim=optim, seed=cfg.seed + r,
+                     log_phase=f"round-{r}/policy/train", model=policy.model.train(), merge_lora=False)
     return {**stats, "samples": len(samples),
             "old_vs_behaviour_abs_diff": sum(diffs) / len(diffs) if diffs else 0.0}
 

@@ -40,6 +40,7 @@ from agentevo.data.tensors import StepSample, step_prompt_ids
 from agentevo.data.types import Step, Trajectory, final_reward
 from agentevo.errors import AgentevoError
 from agentevo.eval.metrics import summarize
+from agentevo.models import placement
 from agentevo.models.backend import Generation, Sampling, TransformersPolicy
 from agentevo.rollout.engine import Episode, EpisodeRequest, PolicyActor
 from agentevo.train.loop import train
@@ -317,6 +318,7 @@ class QNet(torch.nn.Module):
             torch.nn.Linear(head_hidden, head_hidden), torch.nn.ReLU(),
             torch.nn.Linear(head_hidden, 1, bias=False),
         )
+        self.head.to(next(lm.parameters()).device)  # fp32 like the critic's heads, whatever the LM's dtype
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self.lm.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
@@ -340,9 +342,9 @@ class QNet(torch.nn.Module):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         path = Path(path)
-        lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+        lm = placement.place(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path)))
         qnet = cls(lm, json.loads((path / "qnet.json").read_text())["head_hidden"])
-        qnet.load_state_dict(load_file(str(path / "model.safetensors")))
+        qnet.load_state_dict(load_file(str(path / "model.safetensors"), device=str(placement.device())))
         return qnet.eval()
 
 

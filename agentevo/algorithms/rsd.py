@@ -58,9 +58,8 @@ from agentevo.data.types import Trajectory
 from agentevo.envs.base import Task
 from agentevo.eval.metrics import summarize
 from agentevo.models.backend import Sampling
-from agentevo.models.policy import with_lora
 from agentevo.rollout.engine import EpisodeRequest, PolicyActor
-from agentevo.train.loop import train
+from agentevo.train.finetune import finetune
 
 # token_labels are float32: indices into the teacher cache are exact below 2**24.
 _MAX_CACHE_TOKENS = 2**24
@@ -374,7 +373,7 @@ def prepare_base(run: Any) -> tuple[str, dict[str, Any]]:
     results = warm_start(run)
     if not run.cfg.rsd.ctx_warm_start:
         return "bc", results
-    results["ctx-bc"] = run.phase("ctx-bc", lambda: context_warm_start(run, "bc", "ctx-bc"))
+    results["ctx-bc"] = run.phase("ctx-bc", lambda: context_warm_start(run, "bc", "ctx-bc"), all_ranks=True)
     results["eval/ctx-bc"] = run.phase("eval/ctx-bc", lambda: run.evaluate(run.rollout_policy("ctx-bc"), "ctx-bc"))
     return "ctx-bc", results
 
@@ -411,15 +410,8 @@ def context_warm_start(run: Any, start: str, name: str) -> dict[str, Any]:
                                ctxs, rule.position, steps=steps)
         samples += rows
         n_ctx += len(rows)
-    model = with_lora(policy, cfg)
     optim = dataclasses.replace(cfg.optim, epochs=rsd.ctx_warm_epochs)
-    with run.progress(f"{name} training") as bar:
-        stats = train(model, samples, nll_loss, optim, policy.pad_id, run.checkpoint_dir(f"{name}-work"), cfg.seed,
-                      run.logger, f"{name}/train", policy.tokenizer, bar.training_callback())
-    if cfg.model.lora.enabled:
-        policy.model = policy.model.merge_and_unload()
-    policy.policy_id = name
-    policy.save(run.checkpoint_dir(name))
+    stats = finetune(run, policy, samples, nll_loss, name, optim=optim)
     return {**stats, "samples": len(samples), "context_rows": n_ctx}
 
 
@@ -494,7 +486,7 @@ def rsd_rounds(run: Any, base: str, label: str = "rsd", gold: dict[str, Trajecto
                    r: int = r) -> dict[str, Any]:
             return _update_round(run, r, trajs, student, work)
 
-        update_stats = run.phase(f"round-{r}/update", update)
+        update_stats = run.phase(f"round-{r}/update", update, all_ranks=True)
         student = f"round-{r}"
 
         # 8. evaluation without context; teacher schedule; rule search
@@ -613,16 +605,10 @@ def _update_round(run: Any, r: int, trajs: list[Trajectory], student: str, work:
     cache = TeacherCache.load(work / "teacher_topk.pt")
     policy = run.load_policy(student)
     samples = student_samples(policy.renderer, trajs, cache, cfg.agent.history_window, cfg.optim.max_length)
-    model = with_lora(policy, cfg)
     optim = dataclasses.replace(cfg.optim, lr=rsd.lr, epochs=rsd.epochs)
     loss_fn = make_distill_loss(cache, rsd.kl, rsd.kl_beta, rsd.topk_tail)
-    with run.progress(f"round {r}: distil") as bar:
-        stats = train(model, samples, loss_fn, optim, policy.pad_id, run.checkpoint_dir(f"round-{r}-work"), cfg.seed + r,
-                      run.logger, f"round-{r}/train", policy.tokenizer, bar.training_callback())
-    if cfg.model.lora.enabled:
-        policy.model = policy.model.merge_and_unload()
-    policy.policy_id = f"round-{r}"
-    policy.save(run.checkpoint_dir(f"round-{r}"))
+    stats = finetune(run, policy, samples, loss_fn, f"round-{r}", optim=optim, seed=cfg.seed + r,
+                     log_phase=f"round-{r}/train", reload_after=True)
     post = student_pass(policy.model, samples, cache, policy.pad_id, cfg.optim.micro_batch_size, rsd)
     return {**stats, "samples": len(samples), "kl_post": float(post["divergence"].mean()),
             **delta_logp(cache, post["token_logp"])}

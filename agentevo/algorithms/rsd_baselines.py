@@ -15,9 +15,8 @@ from agentevo.algorithms.bc import expert_samples, nll_loss
 from agentevo.algorithms.rsd import prepare_base, rsd_rounds
 from agentevo.data.types import Trajectory
 from agentevo.eval.metrics import summarize
-from agentevo.models.policy import with_lora
 from agentevo.rollout.engine import EpisodeRequest, ExpertActor
-from agentevo.train.loop import train
+from agentevo.train.finetune import finetune
 
 
 class _TextOnly:
@@ -46,17 +45,10 @@ def run_gt_sft(run: Any) -> dict[str, Any]:
         policy = run.load_policy(base)
         samples = expert_samples(policy, gold, cfg.agent.history_window, cfg.optim.max_length)
         optim = dataclasses.replace(cfg.optim, epochs=cfg.rsd.gt_epochs or cfg.optim.epochs)
-        model = with_lora(policy, cfg)
-        with run.progress("gt-sft training") as bar:
-            stats = train(model, samples, nll_loss, optim, policy.pad_id, run.checkpoint_dir("gt-sft-work"), cfg.seed,
-                          run.logger, "gt-sft/train", policy.tokenizer, bar.training_callback())
-        if cfg.model.lora.enabled:
-            policy.model = policy.model.merge_and_unload()
-        policy.policy_id = "gt-sft"
-        policy.save(run.checkpoint_dir("gt-sft"))
+        stats = finetune(run, policy, samples, nll_loss, "gt-sft", optim=optim)
         return {**stats, "samples": len(samples)}
 
-    results["gt-sft"] = run.phase("gt-sft", sft)
+    results["gt-sft"] = run.phase("gt-sft", sft, all_ranks=True)
     results["eval/gt-sft"] = run.phase("eval/gt-sft", lambda: run.evaluate(run.load_policy("gt-sft"), "gt-sft"))
     return results
 

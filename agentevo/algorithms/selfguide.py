@@ -53,6 +53,8 @@ from agentevo.algorithms.grpo import (
     Labelled,
     PolicyTrainer,
     UpdateLoop,
+    acting_policy,
+    check_on_policy_backend,
     evaluate_with,
     group_requests,
     group_returns,
@@ -71,9 +73,9 @@ from agentevo.data.tensors import StepSample, trajectory_samples
 from agentevo.data.types import Step, Trajectory
 from agentevo.envs.base import SIGNAL_FORMAT, SIGNAL_INVALID, SIGNAL_REPEAT
 from agentevo.models.backend import Generation, Sampling
-from agentevo.models.policy import initial_policy, tokenizer_corpus, with_lora
+from agentevo.models.policy import initial_policy, tokenizer_corpus
 from agentevo.rollout.engine import Episode, EpisodeRequest, PolicyActor
-from agentevo.train.loop import train
+from agentevo.train.finetune import finetune
 
 VERDICTS = {"good": 1, "neutral": 0, "bad": -1}
 VERDICT_WORDS = {v: k for k, v in VERDICTS.items()}
@@ -420,17 +422,10 @@ def guide_warm_start(run: Any) -> dict[str, Any]:
             expert_steps = [s.t for s in traj.steps if s.t not in detours]
             samples += guided_samples(policy.renderer, traj, k, cfg.agent.history_window, cfg.optim.max_length,
                                       traj.meta.get("keep"), mask_fn, steps=expert_steps)
-        model = with_lora(policy, cfg)
-        with run.progress("guide-BC training") as bar:
-            stats = train(model, samples, nll_loss, cfg.optim, policy.pad_id, run.checkpoint_dir("bc-work"), cfg.seed,
-                          run.logger, "bc/train", policy.tokenizer, bar.training_callback())
-        if cfg.model.lora.enabled:
-            policy.model = policy.model.merge_and_unload()
-        policy.policy_id = "bc"
-        policy.save(run.checkpoint_dir("bc"))
+        stats = finetune(run, policy, samples, nll_loss, "bc")
         return {**stats, "samples": len(samples)}
 
-    results["bc"] = run.phase("bc", do_bc)
+    results["bc"] = run.phase("bc", do_bc, all_ranks=True)
     results["eval/bc"] = run.phase("eval/bc", lambda: evaluate_guided(run, run.load_policy("bc"), "bc", keep0))
     return results
 
@@ -467,6 +462,7 @@ def run(run: Any) -> dict[str, Any]:
     results: dict[str, Any] = dict(guide_warm_start(run))
     if sg.guide == "infer_only":
         return results
+    check_on_policy_backend(run)
     policy = run.load_policy("bc", policy_id="bc")
     ref_model = run.load_policy("bc").model.eval().requires_grad_(False)
     trainer = PolicyTrainer(policy, cfg, g)
@@ -488,7 +484,7 @@ def run(run: Any) -> dict[str, Any]:
     def rollout_and_label(k: int, pool: Any) -> Labelled:
         # 1. Stage, trust λ(k) and history retention of this update; G guided rollouts per task.
         stage, lam, keep = schedule(k)
-        actor = GuidedActor(policy, run.signal_env.instruction(), window,
+        actor = GuidedActor(acting_policy(run, trainer, k), run.signal_env.instruction(), window,
                             Sampling(g.temperature, g.top_p, max_new, seed=rollout_seed(cfg.seed, k)), keep, mask_fn)
         requests = group_requests(update_tasks(train_tasks, k, g.tasks_per_update), g.group_size,
                                   meta={"keep": keep, "stage": stage, "lambda": lam})

@@ -12,6 +12,7 @@ import torch
 
 from agentevo.agent.chat import ChatRenderer
 from agentevo.errors import ConfigError
+from agentevo.models import placement
 from agentevo.models.prefix_cache import PrefixKVCache, generate_cached, supports_prefix_cache
 
 
@@ -184,7 +185,8 @@ def save_pretrained_atomic(model: Any, tokenizer: Any, path: str | Path) -> Path
 
 
 def load_pretrained(path: str | Path, gguf_file: str | None = None) -> tuple[Any, Any]:
-    """Load a local causal LM and its tokenizer in fp32 (GGUF files are dequantised and made saveable)."""
+    """Load a local causal LM and its tokenizer on this process's device and dtype (models/placement.py; fp32 on
+    the CPU by default); GGUF files are dequantised and made saveable."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     p = Path(path).expanduser()
@@ -209,5 +211,6 @@ def load_pretrained(path: str | Path, gguf_file: str | None = None) -> tuple[Any
         plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         plain.load_state_dict(model.state_dict())
         model = plain
+    model = placement.place(model)
     tokenizer.padding_side = "left"
     return model, tokenizer

@@ -7,6 +7,7 @@ from typing import Any
 from agentevo.agent.prompt import FORMAT_ERROR_OBSERVATION
 from agentevo.config import RunConfig
 from agentevo.data.types import Trajectory
+from agentevo.models import placement
 from agentevo.models.backend import TransformersPolicy, load_pretrained
 from agentevo.models.tiny import build_tiny_model, train_tokenizer
 
@@ -28,7 +29,7 @@ def initial_policy(cfg: RunConfig, corpus: list[str]) -> TransformersPolicy:
         model, tokenizer = load_pretrained(cfg.model.path, cfg.model.gguf_file)
     else:
         tokenizer = train_tokenizer(corpus, cfg.model.tiny.vocab_size)
-        model = build_tiny_model(cfg.model.tiny, tokenizer, cfg.seed)
+        model = placement.place(build_tiny_model(cfg.model.tiny, tokenizer, cfg.seed))
     model.eval()
     return TransformersPolicy(model, tokenizer, "init", cfg.rollout.batch_size, cfg.rollout.prefix_cache,
                               cfg.rollout.prefix_cache_gb)

@@ -280,3 +280,35 @@ def test_grpo_recipe_one_update_end_to_end(tmp_path) -> None:  # noqa: ANN001
         assert again["update-1"] == update and r.store.count() == n
     finally:
         r.close()
+
+
+def test_on_policy_rollouts_follow_the_backend(tmp_path) -> None:  # noqa: ANN001
+    """transformers: the trained model itself; vLLM: each update's weights exported and refreshed; HTTP: refused."""
+    from types import SimpleNamespace
+
+    from agentevo.algorithms.grpo import acting_policy, check_on_policy_backend
+    from agentevo.errors import ConfigError
+
+    calls: list[tuple[str, object]] = []
+
+    class FakeRun:
+        def __init__(self, backend: str) -> None:
+            self.cfg = SimpleNamespace(model=SimpleNamespace(backend=backend), method="grpo")
+
+        def checkpoint_dir(self, name: str):  # noqa: ANN202
+            return tmp_path / name
+
+        def rollout_policy(self, name: str, policy_id: str) -> str:
+            calls.append(("load", (name, policy_id)))
+            return f"engine:{policy_id}"
+
+    trainer = SimpleNamespace(policy="in-memory", export=lambda path: calls.append(("export", path)))
+    assert acting_policy(FakeRun("transformers"), trainer, 3) == "in-memory" and calls == []
+    assert acting_policy(FakeRun("vllm"), trainer, 1) == "engine:bc"
+    assert calls == [("load", ("bc", "bc"))]  # update 1 rolls out pi_0 = the BC checkpoint, nothing to export
+    calls.clear()
+    assert acting_policy(FakeRun("vllm"), trainer, 3) == "engine:update-2"
+    assert calls == [("export", tmp_path / "rollout"), ("load", ("rollout", "update-2"))]
+    check_on_policy_backend(FakeRun("vllm"))
+    with pytest.raises(ConfigError, match="grpo rolls out with the policy it is training, but model.backend: http"):
+        check_on_policy_backend(FakeRun("http"))

@@ -1,0 +1,63 @@
+"""model.device / model.dtype: where every loaded model lives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentevo.config import ModelConfig
+from agentevo.errors import ConfigError
+from agentevo.models import placement
+from agentevo.models.backend import load_pretrained
+
+
+@pytest.fixture(autouse=True)
+def _reset_placement():  # noqa: ANN202
+    yield
+    placement.configure("auto", "float32")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only resolution")
+def test_auto_is_the_cpu_without_a_gpu_and_cuda_is_refused() -> None:
+    assert placement.resolve_device("auto") == torch.device("cpu")
+    assert placement.resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(ConfigError, match="model.device is 'cuda' but torch sees no GPU; set model.device: auto or cpu"):
+        placement.resolve_device("cuda")
+    with pytest.raises(ConfigError, match="torch sees no GPU"):
+        ModelConfig(device="cuda:1").validate()
+
+
+def test_bad_names_name_the_choices() -> None:
+    with pytest.raises(ConfigError, match="model.device 'gpu0' is not a device; use auto, cpu, cuda or cuda:N"):
+        placement.resolve_device("gpu0")
+    with pytest.raises(ConfigError, match="model.device 'meta' is not supported"):
+        placement.resolve_device("meta")
+    with pytest.raises(ConfigError, match=r"model.dtype must be one of float32, bfloat16, float16 \(got 'fp8'\)"):
+        ModelConfig(dtype="fp8").validate()
+
+
+def test_loaded_models_take_the_configured_dtype(tiny_policy, tmp_path) -> None:  # noqa: ANN001
+    tiny_policy.save(tmp_path / "m")
+    model, _ = load_pretrained(tmp_path / "m")
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    placement.configure("cpu", "bfloat16")
+    model, _ = load_pretrained(tmp_path / "m")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    # the same weights, rounded to bf16
+    ref = dict(tiny_policy.model.named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.equal(p, ref[name].detach().to(torch.bfloat16)), name
+
+
+def test_run_applies_the_config(tmp_path) -> None:  # noqa: ANN001
+    from agentevo.config import load_config
+    from agentevo.run import Run
+
+    cfg = load_config("configs/demo_twx_bc.yaml", ["model.dtype=bfloat16", "model.device=cpu"], name="p",
+                      output_dir=str(tmp_path))
+    run = Run.create(cfg, quiet=True)
+    try:
+        assert (placement.device(), placement.dtype()) == (torch.device("cpu"), torch.bfloat16)
+    finally:
+        run.close()
