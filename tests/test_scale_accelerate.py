@@ -249,16 +249,19 @@ GRPO_SMALL = [
 
 
 @pytest.mark.slow
-def test_grpo_under_two_processes_matches_one(tmp_path) -> None:  # noqa: ANN001
-    """GRPO: rank 0 rolls out and labels, both ranks run the DDP update; 6 rows per update = batches of 5 and 1,
-    so the short batch gives one rank a zero-weight stand-in micro-batch."""
+@pytest.mark.parametrize("recipe", ["grpo", "selfguide"])
+def test_grpo_updates_under_two_processes_match_one(recipe: str, tmp_path) -> None:  # noqa: ANN001
+    """GRPO / Self-Guide: rank 0 rolls out and labels, both ranks run the DDP update; 6 rows per update = batches
+    of 5 and 1, so the short batch gives one rank a zero-weight stand-in micro-batch."""
     from transformers import AutoModelForCausalLM
 
-    one = subprocess.run([sys.executable, "-m", "agentevo.cli", "train", *GRPO_SMALL, "--name", "one",
+    args = GRPO_SMALL if recipe == "grpo" else [
+        "selfguide", "--config", "configs/selfguide_twx.yaml", *GRPO_SMALL[3:], "--set", "selfguide.guide_max_tokens=8"]
+    one = subprocess.run([sys.executable, "-m", "agentevo.cli", "train", *args, "--name", "one",
                           "--output-dir", str(tmp_path)], env=_env(), cwd=REPO, timeout=900, capture_output=True,
                          text=True)
     assert one.returncode == 0, one.stderr
-    two = _launch(2, ["train", *GRPO_SMALL, "--name", "two", "--output-dir", str(tmp_path)])
+    two = _launch(2, ["train", *args, "--name", "two", "--output-dir", str(tmp_path)])
     assert two.returncode == 0, two.stderr
     states = {k: json.loads((tmp_path / k / "state.json").read_text()) for k in ("one", "two")}
     for k in (1, 2):
