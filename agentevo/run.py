@@ -186,8 +186,10 @@ class Run:
 
             if self._engine is None:
                 self._engine = VLLMPolicy(path, None, policy_id, self.cfg.model.vllm, self.cfg.seed)
-            elif self._engine.model_path != path or self._engine.policy_id != policy_id:
+            elif self._engine.model_path != path or self._engine.weights_id != policy_id:
                 self._engine.refresh(path, policy_id)
+            else:
+                self._engine.drop_adapter()
             return self._engine
         from transformers import AutoTokenizer
 
@@ -195,6 +197,13 @@ class Run:
 
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         return HTTPPolicy.from_config(self.cfg.model.http, tokenizer, policy_id, self.cfg.rollout.batch_size)
+
+    def rollout_adapter(self, base: str, adapter: Path, policy_id: str) -> Any:
+        """A LoRA policy for rollouts on the vLLM engine: `base`'s weights (loaded once) with the adapter folder
+        `adapter` served on top (model.vllm.enable_lora), so a new round's adapter costs no weight reload."""
+        engine = self.rollout_policy(base)
+        engine.load_adapter(adapter, policy_id)
+        return engine
 
     def actor(self, policy: Any, sampling: Sampling, source: str = "self") -> Any:
         """The actor for a policy: ReAct prompts as token ids, or as chat text for an HTTP server in chat mode."""

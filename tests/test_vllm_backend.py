@@ -139,3 +139,48 @@ def test_refresh_serves_new_weights(engine, tmp_path) -> None:  # noqa: ANN001
     for prompt, gen in zip(prompts, gens, strict=True):
         assert torch.allclose(torch.tensor(gen.logprobs), _teacher_forced_logprobs(new, prompt, gen.token_ids), atol=2e-3)
     policy.refresh(path, "init")  # back to the module's weights for other tests
+
+
+def test_run_refreshes_weights_only_when_they_change(monkeypatch, tmp_path) -> None:  # noqa: ANN001
+    """Run.rollout_policy / rollout_adapter with a stand-in engine: new weights -> refresh, a LoRA round -> adapter
+    on the loaded base, back to the base -> adapter dropped, no reload."""
+    import agentevo.models.vllm_backend as vb
+    from agentevo.config import load_config
+    from agentevo.run import Run
+
+    events: list[tuple[str, str]] = []
+
+    class FakeEngine(vb.VLLMPolicy):
+        def __init__(self, path, tokenizer, policy_id, cfg, seed) -> None:  # noqa: ANN001
+            self.model_path, self.policy_id, self.weights_id, self.cfg, self._lora = path, policy_id, policy_id, cfg, None
+            events.append(("start", policy_id))
+
+        def refresh(self, path, policy_id=None) -> str:  # noqa: ANN001
+            events.append(("refresh", policy_id))
+            self.model_path, self.policy_id, self.weights_id = path, policy_id, policy_id
+            return "in-place"
+
+        def load_adapter(self, path, policy_id=None) -> None:  # noqa: ANN001
+            events.append(("adapter", policy_id))
+            self._lora, self.policy_id = path, policy_id
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(vb, "VLLMPolicy", FakeEngine)
+    cfg = load_config("configs/demo_twx_bc.yaml", ["model.backend=vllm", "model.vllm.enable_lora=true"], name="v",
+                      output_dir=str(tmp_path))
+    run = Run.create(cfg, quiet=True)
+    try:
+        for name in ("bc", "round-1", "rollout"):
+            run.checkpoint_dir(name).mkdir(parents=True)
+        engine = run.rollout_policy("bc")
+        assert run.rollout_policy("bc") is engine  # same weights: nothing happens
+        assert run.rollout_adapter("bc", run.checkpoint_dir("round-1"), "round-1").policy_id == "round-1"
+        assert run.rollout_policy("bc").policy_id == "bc" and engine._lora is None  # adapter dropped, no reload
+        run.rollout_policy("rollout", policy_id="update-1")
+        run.rollout_policy("rollout", policy_id="update-1")
+        run.rollout_policy("rollout", policy_id="update-2")  # same folder, new weights
+        assert events == [("start", "bc"), ("adapter", "round-1"), ("refresh", "update-1"), ("refresh", "update-2")]
+    finally:
+        run.close()

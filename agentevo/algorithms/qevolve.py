@@ -117,10 +117,15 @@ def load_round_policy(run: Any, r: int) -> TransformersPolicy:
 
 
 def acting_policy(run: Any, r: int) -> Any:
-    """pi_r for collection and evaluation: on model.backend (vLLM, HTTP) unless it is a LoRA adapter."""
-    if run.cfg.model.lora.enabled:
-        return load_round_policy(run, r)
-    return run.rollout_policy(policy_name(run.cfg.qevolve, r))
+    """pi_r for collection and evaluation on model.backend. With LoRA, pi_r is an adapter on pi_BC: served by vLLM
+    on the BC weights when model.vllm.enable_lora, else acted by transformers (an HTTP server cannot take it)."""
+    cfg = run.cfg
+    name = policy_name(cfg.qevolve, r)
+    if not cfg.model.lora.enabled:
+        return run.rollout_policy(name)
+    if cfg.model.backend == "vllm" and cfg.model.vllm.enable_lora:
+        return run.rollout_policy("bc") if name == "bc" else run.rollout_adapter("bc", run.checkpoint_dir(name), name)
+    return load_round_policy(run, r)
 
 
 # ---------------------------------------------------------------------------------------------------------------

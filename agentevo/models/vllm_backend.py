@@ -130,6 +130,7 @@ class VLLMPolicy:
             tokenizer.pad_token = tokenizer.eos_token
         self.pad_id = int(tokenizer.pad_token_id)
         self.policy_id = policy_id
+        self.weights_id = policy_id  # which weights the engine holds (policy_id also names a served adapter)
         self._lora: Any = None
         self._lora_ids = 0
         self.llm = self._engine(self.model_path)
@@ -216,7 +217,7 @@ class VLLMPolicy:
             self.llm = self._engine(path)
             how = "recreated"
         self.model_path = path
-        self.policy_id = policy_id or path.name
+        self.policy_id = self.weights_id = policy_id or path.name
         return how
 
     def load_adapter(self, path: str | Path, policy_id: str | None = None) -> None:
@@ -228,6 +229,11 @@ class VLLMPolicy:
         self._lora_ids += 1  # a new id per adapter: vLLM caches adapters by id
         self.policy_id = policy_id or Path(path).name
         self._lora = LoRARequest(self.policy_id, self._lora_ids, str(path))
+
+    def drop_adapter(self) -> None:
+        """Generate with the base weights again."""
+        self._lora = None
+        self.policy_id = self.weights_id
 
     def sleep(self) -> None:
         """Release the engine's GPU memory (weights offloaded, KV cache dropped) while training runs."""
