@@ -110,21 +110,26 @@ def warm_start(run: Any) -> dict[str, Any]:
 WARM_START_PHASES = ("expert", "init", "eval/init", "bc", "eval/bc")
 
 
-def import_warm_start(run: Any, source: Path) -> dict[str, Any]:
+def import_warm_start(run: Any, source: Path, collection: str = "expert",
+                      phases: tuple[str, ...] = WARM_START_PHASES,
+                      also_equal: dict[str, tuple[str, ...]] | None = None) -> dict[str, Any]:
     """Copy a finished BC run's demos, init/bc checkpoints and phase results into this run (its phases are then
     skipped). The environment and agent settings must match, or the evaluations would not be comparable; only
-    env.n_train may be smaller (the demos of this run's training tasks are copied)."""
+    env.n_train may be smaller (the demos of this run's training tasks are copied). A recipe with its own warm start
+    names its demo collection and phases (phases[0] is the collection's), and `also_equal` the settings of other
+    config sections that shape it."""
     state_path, config_path = source / "state.json", source / "config.yaml"
     if not state_path.exists() or not config_path.exists():
         raise ConfigError(f"bc.warm_start_from: {str(source)!r} is not a run folder; give runs/NAME of a BC run")
     state = json.loads(state_path.read_text())
-    missing = [p for p in WARM_START_PHASES if p not in state]
+    missing = [p for p in phases if p not in state]
     if missing:
         raise ConfigError(f"bc.warm_start_from: run {str(source)!r} has not finished {', '.join(missing)}; "
                           f"finish it with `agentevo resume {source}`")
     theirs = yaml.safe_load(config_path.read_text())
     ours = yaml.safe_load((run.dir / "config.yaml").read_text())
-    for section, keys in (("env", None), ("agent", None), ("model", ("path", "tiny", "gguf_file"))):
+    checks = [("env", None), ("agent", None), ("model", ("path", "tiny", "gguf_file")), *(also_equal or {}).items()]
+    for section, keys in checks:
         a, b = ours.get(section, {}), theirs.get(section, {})
         for key in keys or sorted(set(a) | set(b)):
             if (section, key) == ("env", "n_train") and a.get(key, 0) <= b.get(key, 0):
@@ -134,22 +139,22 @@ def import_warm_start(run: Any, source: Path) -> dict[str, Any]:
                                   f"{b.get(key)!r} in {str(source)!r}; use the same setting or another BC run")
     src_store = ExperienceStore(source / "experience.db")
     try:
-        experts = src_store.load(collection="expert")
+        experts = src_store.load(collection=collection)
     finally:
         src_store.close()
     train_ids = {t.task_id for t in run.tasks("train")}
     experts = [t for t in experts if t.task.task_id in train_ids]
-    done = run.store.done_slots("expert")
+    done = run.store.done_slots(collection)
     for slot, traj in enumerate(experts):
         if slot not in done:
-            run.store.add(traj, "expert", slot)
+            run.store.add(traj, collection, slot)
     for name in ("init", "bc"):
         target = run.checkpoint_dir(name)
         if target.exists():
             shutil.rmtree(target)
         shutil.copytree(source / "checkpoints" / name, target)
-    run.state.setdefault("expert", {**_expert_stats(experts), "imported_from": str(source)})
-    for phase in WARM_START_PHASES[1:]:
+    run.state.setdefault(phases[0], {**_expert_stats(experts), "imported_from": str(source)})
+    for phase in phases[1:]:
         run.state.setdefault(phase, state[phase])
     return {"source": str(source), "expert": len(experts)}
 

@@ -37,6 +37,7 @@ import random
 import re
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,7 +49,7 @@ from agentevo.algorithms.advantages import (
     internal_rewards_from_verdicts,
     trust_weight,
 )
-from agentevo.algorithms.bc import _TextOnlyRenderer, nll_loss
+from agentevo.algorithms.bc import _TextOnlyRenderer, import_warm_start, nll_loss
 from agentevo.algorithms.grpo import (
     Labelled,
     PolicyTrainer,
@@ -72,6 +73,7 @@ from agentevo.algorithms.grpo_config import SelfGuideConfig
 from agentevo.data.tensors import StepSample, trajectory_samples
 from agentevo.data.types import Step, Trajectory
 from agentevo.envs.base import SIGNAL_FORMAT, SIGNAL_INVALID, SIGNAL_REPEAT
+from agentevo.errors import ConfigError
 from agentevo.models.backend import Generation, Sampling
 from agentevo.models.policy import initial_policy, tokenizer_corpus
 from agentevo.rollout.engine import Episode, EpisodeRequest, PolicyActor
@@ -383,10 +385,34 @@ def demo_keeps(sg: SelfGuideConfig) -> list[int | None]:
     return [guides_kept(sg.history_guides, 1)]
 
 
+GUIDE_WARM_START_PHASES = ("expert-guided", "init", "eval/init", "bc", "eval/bc")
+
+
+def import_guide_warm_start(run: Any, source: Path) -> dict[str, Any]:
+    """bc.warm_start_from for Self-Guide: a finished selfguide run's guided demos and guide-BC (so the arms and seeds
+    of a study share one warm start). Its guide switch (none vs. with guides) and the settings that shape the demos
+    and prompts must equal this run's."""
+    import yaml
+
+    theirs = (yaml.safe_load((source / "config.yaml").read_text()) if (source / "config.yaml").exists() else {}) or {}
+    if theirs.get("method") not in (None, "selfguide"):
+        raise ConfigError(f"bc.warm_start_from: {str(source)!r} is a {theirs.get('method')} run; Self-Guide needs a "
+                          "selfguide run's guided warm start (e.g. one run with selfguide.guide=infer_only)")
+    ours_guided = run.cfg.selfguide.guide != "none"
+    if (theirs.get("selfguide", {}).get("guide", "train") != "none") != ours_guided:
+        raise ConfigError(f"bc.warm_start_from: {str(source)!r} was trained "
+                          f"{'without' if ours_guided else 'with'} guide lines; use a warm start with the same "
+                          "selfguide.guide = none / with guides")
+    keys = ("guide_position", "demo_detour_prob", "history_guides", "guide_max_tokens")
+    return import_warm_start(run, source, "expert-guided", GUIDE_WARM_START_PHASES, {"selfguide": keys})
+
+
 def guide_warm_start(run: Any) -> dict[str, Any]:
     """Guided demos -> initial policy (checkpoints/init) -> eval -> guide-BC on expert steps (checkpoints/bc) -> eval."""
     cfg, sg = run.cfg, run.cfg.selfguide
     with_guide = sg.guide != "none"
+    if cfg.bc.warm_start_from:
+        run.phase("warm_start_from", lambda: import_guide_warm_start(run, Path(cfg.bc.warm_start_from)))
     keeps = demo_keeps(sg)
     tasks = run.tasks("train", cfg.bc.n_expert or cfg.env.n_train)
     actor = GuidedExpertActor(cfg.agent.thoughts, sg.demo_detour_prob, cfg.seed, with_guide, sg.guide_position)

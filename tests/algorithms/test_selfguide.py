@@ -29,6 +29,7 @@ from agentevo.algorithms.selfguide import (
 from agentevo.data.tensors import collate
 from agentevo.data.types import Step, Trajectory
 from agentevo.envs.base import Task
+from agentevo.errors import ConfigError
 from agentevo.models.backend import Sampling
 from agentevo.rollout.engine import Episode, EpisodeRequest
 
@@ -258,3 +259,30 @@ def test_selfguide_recipe_one_update_end_to_end(tmp_path) -> None:  # noqa: ANN0
         assert key in update
     assert results["eval/update-1"]["test"]["train_env_steps"] == update["train_env_steps"]
     assert json.loads((tmp_path / "s/checkpoints/latest/state.json").read_text())["update"] == 1
+
+    # A second seed starts from this run's guided demos and guide-BC (bc.warm_start_from) and trains on from there.
+    shared = load_config(None, smoke + ["selfguide.guide_max_tokens=24", "selfguide.schedule=constant",
+                                        "selfguide.demo_detour_prob=0.3", "seed=1", f"bc.warm_start_from={tmp_path / 's'}"],
+                         method="selfguide", name="s1", output_dir=str(tmp_path))
+    r = Run.create(shared, quiet=True)
+    try:
+        selfguide_run(r)
+        assert len(r.store.load(collection="expert-guided")) == 3
+    finally:
+        r.close()
+    state = json.loads((tmp_path / "s1/state.json").read_text())
+    assert state["warm_start_from"]["expert"] == 3 and state["eval/bc"] == results["eval/bc"]
+    assert (tmp_path / "s1/checkpoints/bc/model.safetensors").read_bytes() == \
+        (tmp_path / "s/checkpoints/bc/model.safetensors").read_bytes()
+    assert "update-1" in state
+    for wrong, message in (("selfguide.guide=none", "was trained with guide lines"),
+                           ("selfguide.guide_position=after", "selfguide.guide_position is 'after' here but 'before'")):
+        bad = load_config(None, smoke + ["selfguide.guide_max_tokens=24", "selfguide.demo_detour_prob=0.3", wrong,
+                                         f"bc.warm_start_from={tmp_path / 's'}"],
+                          method="selfguide", name=f"bad-{wrong[-5:]}", output_dir=str(tmp_path))
+        r = Run.create(bad, quiet=True)
+        try:
+            with pytest.raises(ConfigError, match=message):
+                selfguide_run(r)
+        finally:
+            r.close()
