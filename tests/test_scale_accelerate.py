@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -164,6 +165,18 @@ def _launch(nproc: int, args: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(launch, env=_env(), cwd=REPO, timeout=900, capture_output=True, text=True)
 
 
+def _one_and_two(args: list[str], tmp_path: Path) -> tuple[dict[str, Any], subprocess.CompletedProcess[str]]:
+    """`agentevo train ARGS` as one process (run "one") and as 2 accelerate processes (run "two"); their state.json
+    files, and the 2-process run's output."""
+    one = subprocess.run([sys.executable, "-m", "agentevo.cli", "train", *args, "--name", "one",
+                          "--output-dir", str(tmp_path)], env=_env(), cwd=REPO, timeout=900, capture_output=True,
+                         text=True)
+    assert one.returncode == 0, one.stderr
+    two = _launch(2, ["train", *args, "--name", "two", "--output-dir", str(tmp_path)])
+    assert two.returncode == 0, two.stderr
+    return {k: json.loads((tmp_path / k / "state.json").read_text()) for k in ("one", "two")}, two
+
+
 @pytest.mark.slow
 def test_bc_recipe_under_two_processes_matches_one(tmp_path) -> None:  # noqa: ANN001
     """`accelerate launch -m agentevo.cli train bc`: rank 0 collects and evaluates once, both ranks train."""
@@ -171,13 +184,7 @@ def test_bc_recipe_under_two_processes_matches_one(tmp_path) -> None:  # noqa: A
 
     from transformers import AutoModelForCausalLM
 
-    one = subprocess.run([sys.executable, "-m", "agentevo.cli", "train", *RECIPE_SMALL, "--name", "one",
-                          "--output-dir", str(tmp_path)], env=_env(), cwd=REPO, timeout=900, capture_output=True,
-                         text=True)
-    assert one.returncode == 0, one.stderr
-    two = _launch(2, ["train", *RECIPE_SMALL, "--name", "two", "--output-dir", str(tmp_path)])
-    assert two.returncode == 0, two.stderr
-    states = {k: json.loads((tmp_path / k / "state.json").read_text()) for k in ("one", "two")}
+    states, two = _one_and_two(RECIPE_SMALL, tmp_path)
     assert (states["one"]["bc"]["processes"], states["two"]["bc"]["processes"]) == (1, 2)
     assert states["two"]["bc"]["loss"] == pytest.approx(states["one"]["bc"]["loss"], rel=1e-4)
     assert states["two"]["eval/bc"] == states["one"]["eval/bc"]
@@ -210,13 +217,7 @@ def test_qevolve_under_two_processes_matches_one(tmp_path) -> None:  # noqa: ANN
 
     from transformers import AutoModelForCausalLM
 
-    one = subprocess.run([sys.executable, "-m", "agentevo.cli", "train", *QEVOLVE_SMALL, "--name", "one",
-                          "--output-dir", str(tmp_path)], env=_env(), cwd=REPO, timeout=900, capture_output=True,
-                         text=True)
-    assert one.returncode == 0, one.stderr
-    two = _launch(2, ["train", *QEVOLVE_SMALL, "--name", "two", "--output-dir", str(tmp_path)])
-    assert two.returncode == 0, two.stderr
-    states = {k: json.loads((tmp_path / k / "state.json").read_text()) for k in ("one", "two")}
+    states, two = _one_and_two(QEVOLVE_SMALL, tmp_path)
     policy = {k: states[k]["round-1/policy"] for k in states}
     assert (policy["one"]["processes"], policy["two"]["processes"]) == (1, 2)
     assert policy["one"]["samples"] == policy["two"]["samples"] > 0
@@ -257,13 +258,7 @@ def test_grpo_updates_under_two_processes_match_one(recipe: str, tmp_path) -> No
 
     args = GRPO_SMALL if recipe == "grpo" else [
         "selfguide", "--config", "configs/selfguide_twx.yaml", *GRPO_SMALL[3:], "--set", "selfguide.guide_max_tokens=8"]
-    one = subprocess.run([sys.executable, "-m", "agentevo.cli", "train", *args, "--name", "one",
-                          "--output-dir", str(tmp_path)], env=_env(), cwd=REPO, timeout=900, capture_output=True,
-                         text=True)
-    assert one.returncode == 0, one.stderr
-    two = _launch(2, ["train", *args, "--name", "two", "--output-dir", str(tmp_path)])
-    assert two.returncode == 0, two.stderr
-    states = {k: json.loads((tmp_path / k / "state.json").read_text()) for k in ("one", "two")}
+    states, two = _one_and_two(args, tmp_path)
     for k in (1, 2):
         a, b = states["one"][f"update-{k}"], states["two"][f"update-{k}"]
         assert a["rollout_n"] == b["rollout_n"] == 6
