@@ -48,3 +48,15 @@ def test_errors_name_the_fix(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     run = _run(tmp_path, "a-s0", {"bc": 0.5})
     assert main(["compare", str(run), "--split", "dev", "--out", str(tmp_path / "o")]) == 2
     assert "pick another with --split" in capsys.readouterr().err
+
+
+def test_env_steps_of_eto_and_qlass_evaluations() -> None:
+    from agentevo.eval.compare import _env_steps
+
+    state = {"eto/iter-1/explore": {"env_steps": 900}, "eto/iter-2/explore": {"env_steps": 1100},
+             "qlass/trees": {"env_steps": 196, "replay_steps": 0}}
+    assert _env_steps(state, "eto-iter-1", {}) == 900.0
+    assert _env_steps(state, "eto-iter-2", {}) == 2000.0
+    assert _env_steps(state, "eto-iter-3", {}) is None  # not explored yet
+    assert _env_steps(state, "qlass", {"inference_env_steps": 6356}) == 196.0
+    assert _env_steps(state, "bc", {}) == 0.0

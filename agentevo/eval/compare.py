@@ -50,6 +50,13 @@ def _env_steps(state: dict[str, Any], label: str, result: dict[str, Any]) -> flo
         rec = state.get(f"round-{match.group(1)}/label", {})
         if "env_steps_cumulative" in rec:
             return float(rec["env_steps_cumulative"] - rec.get("env_steps_expert", 0))
+    match = re.fullmatch(r"eto-iter-(\d+)", label)
+    if match:  # ETO: every exploration up to this iteration
+        explores = [state.get(f"eto/iter-{i}/explore", {}) for i in range(1, int(match.group(1)) + 1)]
+        if all("env_steps" in e for e in explores):
+            return float(sum(e["env_steps"] for e in explores))
+    if label == "qlass" and "env_steps" in state.get("qlass/trees", {}):
+        return float(state["qlass/trees"]["env_steps"])  # tree building; its test-time search steps are not training
     return None
 
 
