@@ -273,7 +273,7 @@ class PolicyTrainer:
         if self.accelerator is None:
             return acc
         keys = sorted(acc)  # the same keys on every rank: every rank runs at least one micro-batch
-        sums = torch.tensor([acc.get(k, 0.0) for k in keys], dtype=torch.float64, device=device)
+        sums = torch.tensor([acc[k] for k in keys], dtype=torch.float64, device=device)
         return dict(zip(keys, self.accelerator.reduce(sums, reduction="sum").tolist(), strict=True))
 
     def _clip(self, max_norm: float) -> float:
@@ -395,13 +395,17 @@ def check_on_policy_backend(run: Any) -> None:
 
 def acting_policy(run: Any, trainer: PolicyTrainer, k: int) -> Any:
     """π_{k−1}, which rolls out update k: the trained model itself with model.backend transformers; with vLLM the
-    weights after update k−1, exported to checkpoints/rollout and loaded into the run's engine in place."""
+    weights after update k−1 loaded into the run's engine in place, from their evaluation export
+    (checkpoints/update-{k−1}) when update k−1 was evaluated, else exported to checkpoints/rollout."""
     if run.cfg.model.backend == "transformers":
         return trainer.policy
     if k == 1:
         return run.rollout_policy("bc", policy_id="bc")
-    trainer.export(run.checkpoint_dir("rollout"))
-    return run.rollout_policy("rollout", policy_id=f"update-{k - 1}")
+    name = f"update-{k - 1}"
+    if not run.checkpoint_dir(name).exists():  # written atomically by run_updates' evaluation
+        name = "rollout"
+        trainer.export(run.checkpoint_dir(name))
+    return run.rollout_policy(name, policy_id=f"update-{k - 1}")
 
 
 @dataclass

@@ -49,7 +49,7 @@ from agentevo.algorithms.advantages import (
     internal_rewards_from_verdicts,
     trust_weight,
 )
-from agentevo.algorithms.bc import _TextOnlyRenderer, import_warm_start, nll_loss
+from agentevo.algorithms.bc import WARM_START_PHASES, _TextOnlyRenderer, import_warm_start, nll_loss
 from agentevo.algorithms.grpo import (
     Labelled,
     PolicyTrainer,
@@ -385,7 +385,7 @@ def demo_keeps(sg: SelfGuideConfig) -> list[int | None]:
     return [guides_kept(sg.history_guides, 1)]
 
 
-GUIDE_WARM_START_PHASES = ("expert-guided", "init", "eval/init", "bc", "eval/bc")
+GUIDE_WARM_START_PHASES = ("expert-guided", *WARM_START_PHASES[1:])  # the guided demos, then BC's phases
 
 
 def import_guide_warm_start(run: Any, source: Path) -> dict[str, Any]:

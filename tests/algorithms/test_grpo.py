@@ -309,6 +309,10 @@ def test_on_policy_rollouts_follow_the_backend(tmp_path) -> None:  # noqa: ANN00
     calls.clear()
     assert acting_policy(FakeRun("vllm"), trainer, 3) == "engine:update-2"
     assert calls == [("export", tmp_path / "rollout"), ("load", ("rollout", "update-2"))]
+    calls.clear()
+    (tmp_path / "update-2").mkdir()  # update 2 was evaluated: its export holds the same weights
+    assert acting_policy(FakeRun("vllm"), trainer, 3) == "engine:update-2"
+    assert calls == [("load", ("update-2", "update-2"))]
     check_on_policy_backend(FakeRun("vllm"))
     with pytest.raises(ConfigError, match="grpo rolls out with the policy it is training, but model.backend: http"):
         check_on_policy_backend(FakeRun("http"))
