@@ -60,3 +60,16 @@ def test_env_steps_of_eto_and_qlass_evaluations() -> None:
     assert _env_steps(state, "eto-iter-3", {}) is None  # not explored yet
     assert _env_steps(state, "qlass", {"inference_env_steps": 6356}) == 196.0
     assert _env_steps(state, "bc", {}) == 0.0
+
+
+def test_env_steps_of_rsd_table_evaluations() -> None:
+    from agentevo.eval.compare import _env_steps
+
+    state = {"round-1/act": {"env_steps": 1123}, "round-2/act": {"env_steps": 1318},
+             "bon/collect": {"env_steps": 4400}, "harness/bank": {"env_steps": 1050}}
+    assert _env_steps(state, "round-1", {}) == 1123.0
+    assert _env_steps(state, "round-2", {}) == 2441.0
+    assert _env_steps(state, "round-3", {}) is None  # not acted yet
+    assert _env_steps(state, "bon-sft", {}) == 4400.0 and _env_steps(state, "harness", {}) == 1050.0
+    assert _env_steps(state, "base", {}) == 0.0 and _env_steps(state, "gt-sft", {}) == 0.0
+    assert _env_steps(state, "reflexion", {}) is None  # its attempts are test-time steps, not training

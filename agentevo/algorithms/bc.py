@@ -112,12 +112,13 @@ WARM_START_PHASES = ("expert", "init", "eval/init", "bc", "eval/bc")
 
 def import_warm_start(run: Any, source: Path, collection: str = "expert",
                       phases: tuple[str, ...] = WARM_START_PHASES,
-                      also_equal: dict[str, tuple[str, ...]] | None = None) -> dict[str, Any]:
+                      also_equal: dict[str, tuple[str, ...]] | None = None,
+                      checkpoints: tuple[str, ...] = ("init", "bc")) -> dict[str, Any]:
     """Copy a finished BC run's demos, init/bc checkpoints and phase results into this run (its phases are then
     skipped). The environment and agent settings must match, or the evaluations would not be comparable; only
     env.n_train may be smaller (the demos of this run's training tasks are copied). A recipe with its own warm start
-    names its demo collection and phases (phases[0] is the collection's), and `also_equal` the settings of other
-    config sections that shape it."""
+    names its demo collection, phases (phases[0] is the collection's) and checkpoints, and `also_equal` the settings
+    of other config sections that shape it."""
     state_path, config_path = source / "state.json", source / "config.yaml"
     if not state_path.exists() or not config_path.exists():
         raise ConfigError(f"bc.warm_start_from: {str(source)!r} is not a run folder; give runs/NAME of a BC run")
@@ -148,7 +149,7 @@ def import_warm_start(run: Any, source: Path, collection: str = "expert",
     for slot, traj in enumerate(experts):
         if slot not in done:
             run.store.add(traj, collection, slot)
-    for name in ("init", "bc"):
+    for name in checkpoints:
         target = run.checkpoint_dir(name)
         if target.exists():
             shutil.rmtree(target)

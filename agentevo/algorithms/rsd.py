@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from agentevo.algorithms import losses
-from agentevo.algorithms.bc import expert_samples, nll_loss, warm_start
+from agentevo.algorithms.bc import WARM_START_PHASES, expert_samples, import_warm_start, nll_loss, warm_start
 from agentevo.algorithms.rsd_context import (
     ContextRule,
     LLMProposer,
@@ -364,12 +364,37 @@ def sampling_actor(run: Any, checkpoint: str, seed: int) -> PolicyActor:
                        sampling)
 
 
+CTX_WARM_START_PHASES = (*WARM_START_PHASES, "ctx-bc", "eval/ctx-bc")
+# the rsd settings that shape the context-aware warm start; the rule's whitelisted knobs (components, n_prec,
+# retrieval, position, teacher_temp) are not among them: ablations and rule search keep their base model, as in
+# the paper, whose every arm starts from the same instruction-tuned model
+CTX_WARM_START_KEYS = ("ctx_warm_start", "ctx_warm_fraction", "ctx_warm_steps", "ctx_warm_epochs",
+                       "ctx_warm_same_task", "match_on", "prec_format", "future_max_steps", "ctx_max_tokens",
+                       "lessons_per_outcome", "writer")
+
+
+def source_has_ctx_base(source: Path) -> bool:
+    state_path = source / "state.json"
+    return state_path.exists() and "ctx-bc" in json.loads(state_path.read_text())
+
+
+def import_ctx_warm_start(run: Any, source: Path) -> dict[str, Any]:
+    """bc.warm_start_from for the RSD table: a run that finished the context-aware warm start gives its demos, BC
+    and ctx-bc (so every arm and seed of a study starts from one base)."""
+    return import_warm_start(run, source, "expert", CTX_WARM_START_PHASES, {"rsd": CTX_WARM_START_KEYS},
+                             checkpoints=("init", "bc", "ctx-bc"))
+
+
 def prepare_base(run: Any) -> tuple[str, dict[str, Any]]:
     """warm_start (expert demos -> BC); with rsd.ctx_warm_start, a further pass on plain + context demos.
 
     Returns the base checkpoint's name ('bc' or 'ctx-bc') and the phase results. Every RSD-table recipe starts
-    from this base so their numbers compare.
+    from this base so their numbers compare. bc.warm_start_from may name a plain BC run (this run then makes its
+    own ctx-bc) or an RSD-table run that already made ctx-bc (imported).
     """
+    source = Path(run.cfg.bc.warm_start_from) if run.cfg.bc.warm_start_from else None
+    if source is not None and run.cfg.rsd.ctx_warm_start and source_has_ctx_base(source):
+        run.phase("warm_start_from", lambda: import_ctx_warm_start(run, source))
     results = warm_start(run)
     if not run.cfg.rsd.ctx_warm_start:
         return "bc", results

@@ -3,7 +3,7 @@
 Runs are grouped by name with a trailing seed suffix removed (`qe-cw-s0`, `qe-cw-s1` -> `qe-cw`). Evaluation
 points are the `eval/<label>` phases of state.json (`bc`, `round-1`, `update-4`, ...), in the order they ran.
 Environment steps at each point are those the run collected after its BC warm start (Q-Evolve's self-collected
-steps, `round-r/label`; GRPO's `train_env_steps`); `bc` is 0.
+steps, `round-r/label`; GRPO's `train_env_steps`; RSD's `round-r/act`; BoN's samples; Harness@Inf's bank); `bc` is 0.
 """
 
 from __future__ import annotations
@@ -43,13 +43,19 @@ def _env_steps(state: dict[str, Any], label: str, result: dict[str, Any]) -> flo
     """Environment steps the run collected after its BC warm start, up to this evaluation (bc = 0)."""
     if "train_env_steps" in result:
         return float(result["train_env_steps"])
-    if label == "bc":
+    if label in ("bc", "ctx-bc", "base", "gt-sft"):  # warm starts and gold-only fine-tuning collect nothing
         return 0.0
     match = re.fullmatch(r"round-(\d+)", label)
     if match:
         rec = state.get(f"round-{match.group(1)}/label", {})
         if "env_steps_cumulative" in rec:
             return float(rec["env_steps_cumulative"] - rec.get("env_steps_expert", 0))
+        acts = [state.get(f"round-{i}/act", {}) for i in range(1, int(match.group(1)) + 1)]
+        if all("env_steps" in a for a in acts):  # RSD / GT-OPSD: one trajectory per task per round
+            return float(sum(a["env_steps"] for a in acts))
+    collected = {"bon-sft": "bon/collect", "harness": "harness/bank"}.get(label)
+    if collected and "env_steps" in state.get(collected, {}):
+        return float(state[collected]["env_steps"])  # BoN's samples; Harness@Inf's bank of base trajectories
     match = re.fullmatch(r"eto-iter-(\d+)", label)
     if match:  # ETO: every exploration up to this iteration
         explores = [state.get(f"eto/iter-{i}/explore", {}) for i in range(1, int(match.group(1)) + 1)]

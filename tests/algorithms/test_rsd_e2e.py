@@ -78,3 +78,32 @@ def test_rsd_baselines_end_to_end(tmp_path, method: str) -> None:  # noqa: ANN00
     if method == "reflexion":
         m = results["eval/reflexion"]["test"]
         assert m["success_at_1"] <= m["success_at_2"] <= m["success_at_3"] == m["success_rate"]
+
+
+def test_rsd_base_shared_through_warm_start_from(tmp_path) -> None:  # noqa: ANN001
+    """A second seed or arm imports a finished run's demos, BC and context-aware base (ctx-bc) instead of training its
+    own; the rule's whitelisted knobs may differ (ablations keep the base), the ctx warm-start settings may not."""
+    from agentevo.algorithms import rsd
+    from agentevo.config import ConfigError
+    from agentevo.run import Run
+
+    base = ["rsd.internalisation=false"]
+
+    def prepare(name: str, extra: list[str]) -> dict:
+        cfg = load_config("configs/rsd_twx.yaml", [*TINY, *base, *extra], name=name, output_dir=str(tmp_path))
+        run = Run.create(cfg, quiet=True)
+        try:
+            return rsd.prepare_base(run)[1]
+        finally:
+            run.close()
+
+    first = prepare("a", [])
+    ablation = prepare("b", ["seed=1", "rsd.components=[prec,lessons,reflect]", f"bc.warm_start_from={tmp_path / 'a'}"])
+    assert ablation["eval/ctx-bc"] == first["eval/ctx-bc"]
+    for name in ("bc", "ctx-bc"):
+        assert (tmp_path / "b/checkpoints" / name / "model.safetensors").read_bytes() == \
+            (tmp_path / "a/checkpoints" / name / "model.safetensors").read_bytes()
+    state = json.loads((tmp_path / "b/state.json").read_text())
+    assert state["warm_start_from"]["expert"] == 3 and state["ctx-bc"] == first["ctx-bc"]
+    with pytest.raises(ConfigError, match="rsd.ctx_warm_fraction is 0.9 here but 0.5"):
+        prepare("c", ["rsd.ctx_warm_fraction=0.9", f"bc.warm_start_from={tmp_path / 'a'}"])
