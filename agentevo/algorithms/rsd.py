@@ -30,9 +30,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from agentevo.algorithms import losses
 from agentevo.algorithms.bc import WARM_START_PHASES, expert_samples, import_warm_start, nll_loss, warm_start
+from agentevo.algorithms.rsd_config import RSDConfig
 from agentevo.algorithms.rsd_context import (
     ContextRule,
     LLMProposer,
@@ -52,10 +54,12 @@ from agentevo.algorithms.rsd_context import (
     render_precedent,
     step_contexts,
 )
+from agentevo.algorithms.selfguide import GuidedExpertActor
 from agentevo.algorithms.writers import RuleWriter, http_client_from_config, make_writer
 from agentevo.data.tensors import StepSample, collate, trajectory_samples
 from agentevo.data.types import Trajectory
 from agentevo.envs.base import Task
+from agentevo.errors import ConfigError
 from agentevo.eval.metrics import summarize
 from agentevo.models.backend import Sampling
 from agentevo.rollout.engine import EpisodeRequest, PolicyActor
@@ -369,8 +373,9 @@ CTX_WARM_START_PHASES = (*WARM_START_PHASES, "ctx-bc", "eval/ctx-bc")
 # retrieval, position, teacher_temp) are not among them: ablations and rule search keep their base model, as in
 # the paper, whose every arm starts from the same instruction-tuned model
 CTX_WARM_START_KEYS = ("ctx_warm_start", "ctx_warm_fraction", "ctx_warm_steps", "ctx_warm_epochs",
-                       "ctx_warm_same_task", "match_on", "prec_format", "future_max_steps", "ctx_max_tokens",
-                       "lessons_per_outcome", "writer")
+                       "ctx_warm_same_task", "ctx_warm_detours", "ctx_warm_detour_prob", "match_on", "prec_format",
+                       "future_max_steps", "ctx_max_tokens", "lessons_per_outcome", "writer")
+DETOUR_COLLECTION = "expert-detour"
 
 
 def source_has_ctx_base(source: Path) -> bool:
@@ -380,9 +385,42 @@ def source_has_ctx_base(source: Path) -> bool:
 
 def import_ctx_warm_start(run: Any, source: Path) -> dict[str, Any]:
     """bc.warm_start_from for the RSD table: a run that finished the context-aware warm start gives its demos, BC
-    and ctx-bc (so every arm and seed of a study starts from one base)."""
-    return import_warm_start(run, source, "expert", CTX_WARM_START_PHASES, {"rsd": CTX_WARM_START_KEYS},
-                             checkpoints=("init", "bc", "ctx-bc"))
+    and ctx-bc (so every arm and seed of a study starts from one base). A setting absent from the source's
+    config.yaml (written before the setting existed) counts as its default."""
+    config_path = source / "config.yaml"
+    theirs = ((yaml.safe_load(config_path.read_text()) or {}).get("rsd") or {}) if config_path.exists() else {}
+    defaults = RSDConfig()
+    for key in CTX_WARM_START_KEYS:
+        ours, other = getattr(run.cfg.rsd, key), theirs.get(key, getattr(defaults, key))
+        if ours != other:
+            raise ConfigError(f"bc.warm_start_from: rsd.{key} is {ours!r} here but {other!r} in {str(source)!r}; "
+                              "use the same setting or another base run")
+    return import_warm_start(run, source, "expert", CTX_WARM_START_PHASES, checkpoints=("init", "bc", "ctx-bc"))
+
+
+def collect_detour_demos(run: Any) -> dict[str, Any]:
+    """The gold plans replayed with scripted wasted steps (Self-Guide's demo detours, without guide lines)."""
+    cfg = run.cfg
+    actor = GuidedExpertActor(cfg.agent.thoughts, cfg.rsd.ctx_warm_detour_prob, cfg.seed, with_guide=False,
+                              position="before")
+    tasks = run.tasks("train", cfg.bc.n_expert or cfg.env.n_train)
+    trajs = run.collect(actor, [EpisodeRequest(t, k) for k, t in enumerate(tasks)], DETOUR_COLLECTION,
+                        "expert demos with detours")
+    return {**summarize(trajs), "detours": sum(len(t.meta.get("detours", [])) for t in trajs)}
+
+
+def detour_rows(renderer: Any, twin: Trajectory, index: int, window: int, max_length: int, contexts: Sequence[str],
+                position: str, steps: Sequence[int]) -> list[StepSample]:
+    """Context rows at a replay's wasted steps whose target is the next (useful) action: the context's future shows
+    the wasted step's outcome and what came next, so a model trained on them learns what hindsight reveals about a
+    mistake. Each row gets its own copy of the trajectory, so later rows keep the true history."""
+    rows: list[StepSample] = []
+    for t in steps:
+        wasted, useful = twin.steps[t - 1], twin.steps[t]
+        target = dataclasses.replace(wasted, action_text=useful.action_text, action_ids=list(useful.action_ids))
+        fixed = dataclasses.replace(twin, steps=[*twin.steps[: t - 1], target, *twin.steps[t:]])
+        rows += context_rows(renderer, fixed, index, window, max_length, contexts, position, steps=[t])[0]
+    return rows
 
 
 def prepare_base(run: Any) -> tuple[str, dict[str, Any]]:
@@ -398,6 +436,8 @@ def prepare_base(run: Any) -> tuple[str, dict[str, Any]]:
     results = warm_start(run)
     if not run.cfg.rsd.ctx_warm_start:
         return "bc", results
+    if run.cfg.rsd.ctx_warm_detours > 0 and "ctx-bc" not in run.state:
+        results[DETOUR_COLLECTION] = run.phase(DETOUR_COLLECTION, lambda: collect_detour_demos(run))
     results["ctx-bc"] = run.phase("ctx-bc", lambda: context_warm_start(run, "bc", "ctx-bc"), all_ranks=True)
     results["eval/ctx-bc"] = run.phase("eval/ctx-bc", lambda: run.evaluate(run.rollout_policy("ctx-bc"), "ctx-bc"))
     return "ctx-bc", results
@@ -407,7 +447,9 @@ def context_warm_start(run: Any, start: str, name: str) -> dict[str, Any]:
     """BC on every demo plainly plus, for a fraction of demos, a few steps carrying a privileged context built with
     the same rule and rendering the teacher will use: precedents (the demo's own task as a solved earlier attempt
     with probability ctx_warm_same_task, else the most similar other demos), rule-written lessons and reflection,
-    and the future hindsight of that step. Saves checkpoints/<name>."""
+    and the future hindsight of that step. With ctx_warm_detours, some of those demos are replaced by their replay
+    with scripted wasted steps, and the rows sit at the wasted steps with the next useful action as the target.
+    Saves checkpoints/<name>."""
     cfg, rsd = run.cfg, run.cfg.rsd
     rng = random.Random(cfg.seed + 17)
     demos = [t for t in run.store.load(collection="expert") if t.success]
@@ -417,27 +459,39 @@ def context_warm_start(run: Any, start: str, name: str) -> dict[str, Any]:
     lessons = {tt: writer.lessons(tt, [d for d in demos if d.task.task_type == tt][: rsd.lessons_per_outcome], [])
                for tt in {d.task.task_type for d in demos}}
     samples = expert_samples(policy, demos, cfg.agent.history_window, cfg.optim.max_length)
-    n_ctx = 0
+    twins = {t.task.task_id: t for t in run.store.load(collection=DETOUR_COLLECTION)} if rsd.ctx_warm_detours else {}
+    ensure_reply_ids(policy, list(twins.values()))
+    n_ctx = n_detour = 0
     for k, demo in enumerate(demos):
         if rng.random() >= rsd.ctx_warm_fraction or not demo.steps:
             continue
+        # the episode the rows are cut from: the clean demo, or its replay with wasted steps
+        twin = twins.get(demo.task.task_id)
+        wasted = [t for t in (twin.meta.get("detours", []) if twin else []) if t < twin.length]
+        played = twin if twin is not None and wasted and rng.random() < rsd.ctx_warm_detours else demo
         text = match_text(demo.goal, demo.first_obs, rsd.match_on)
         others = rank_precedents(demos, text, rule.n_prec, rule.retrieval, exclude=[demo.meta["store_id"]],
                                  match_on=rsd.match_on, rng=rng)
         precs = ([demo, *others] if rng.random() < rsd.ctx_warm_same_task else others)[: rule.n_prec]
-        reflection = writer.reflection(demo)
+        reflection = writer.reflection(played)
         ctxs = [clip_tokens(assemble_context(rule, precs, lessons[demo.task.task_type], reflection,
-                                             future_hindsight(demo, s.t, rsd.future_max_steps),
+                                             future_hindsight(played, s.t, rsd.future_max_steps),
                                              rsd.prec_format).render(), policy.tokenizer, rsd.ctx_max_tokens)
-                for s in demo.steps]
-        steps = rng.sample([s.t for s in demo.steps], min(rsd.ctx_warm_steps, demo.length))
-        rows, _ = context_rows(policy.renderer, demo, len(demos) + k, cfg.agent.history_window, cfg.optim.max_length,
-                               ctxs, rule.position, steps=steps)
+                for s in played.steps]
+        if played is twin:
+            steps = rng.sample(wasted, min(rsd.ctx_warm_steps, len(wasted)))
+            rows = detour_rows(policy.renderer, played, len(demos) + k, cfg.agent.history_window,
+                               cfg.optim.max_length, ctxs, rule.position, steps)
+            n_detour += len(rows)
+        else:
+            steps = rng.sample([s.t for s in demo.steps], min(rsd.ctx_warm_steps, demo.length))
+            rows, _ = context_rows(policy.renderer, demo, len(demos) + k, cfg.agent.history_window,
+                                   cfg.optim.max_length, ctxs, rule.position, steps=steps)
         samples += rows
         n_ctx += len(rows)
     optim = dataclasses.replace(cfg.optim, epochs=rsd.ctx_warm_epochs)
     stats = finetune(run, policy, samples, nll_loss, name, optim=optim)
-    return {**stats, "samples": len(samples), "context_rows": n_ctx}
+    return {**stats, "samples": len(samples), "context_rows": n_ctx, "detour_rows": n_detour}
 
 
 # ---------------------------------------------------------------------------------------------------------------

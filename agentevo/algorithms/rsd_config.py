@@ -92,6 +92,10 @@ class RSDConfig:
     ctx_warm_epochs: float = option("epochs of the context-aware warm start [O]", 2.0)
     ctx_warm_same_task: float = option("probability that a warm-start precedent is the demo's own task (a solved "
                                        "earlier attempt) [O]", 0.7)
+    ctx_warm_detours: float = option("share of context-augmented demos taken from a replay with scripted wasted steps "
+                                     "(look, inventory, a repeated take) whose rows target the next useful action, so "
+                                     "the teacher learns what the future reveals about a mistake [O]", 0.0)
+    ctx_warm_detour_prob: float = option("per-step chance of a scripted wasted step in those replays [O]", 0.3)
     # -- RSD-table baselines (§5) ------------------------------------------------------------------------
     bon_n: int = option("BoN: samples per task [S: 16]", 16)
     reflexion_attempts: int = option("Reflexion: attempts per task [S: 3]", 3)
@@ -139,6 +143,8 @@ class RSDConfig:
             raise ConfigError(f"rsd.accept_margin must be >= 0 points (got {self.accept_margin})")
         if not 0.0 <= self.ctx_warm_fraction <= 1.0 or not 0.0 <= self.ctx_warm_same_task <= 1.0:
             raise ConfigError("rsd.ctx_warm_fraction and rsd.ctx_warm_same_task must be in [0, 1]")
+        if not 0.0 <= self.ctx_warm_detours <= 1.0 or not 0.0 < self.ctx_warm_detour_prob < 1.0:
+            raise ConfigError("rsd.ctx_warm_detours must be in [0, 1] and rsd.ctx_warm_detour_prob in (0, 1)")
         if self.ctx_warm_steps < 1 or self.ctx_warm_epochs <= 0:
             raise ConfigError("rsd.ctx_warm_steps must be >= 1 and rsd.ctx_warm_epochs > 0")
         if self.bon_n < 1 or self.reflexion_attempts < 1:

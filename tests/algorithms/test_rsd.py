@@ -20,6 +20,7 @@ from agentevo.algorithms.rsd import (
     TeacherState,
     _rule_step,
     delta_logp,
+    detour_rows,
     make_distill_loss,
     sample_tasks,
     score_teacher,
@@ -152,6 +153,23 @@ def test_teacher_context_never_reaches_the_student(tiny_policy) -> None:  # noqa
     assert not has_marker(batch["input_ids"][0].tolist())
     loss, stats = make_distill_loss(cache)(tiny_policy.model, batch)
     assert torch.isfinite(loss) and stats["tokens"] == cache.n_tokens
+
+
+def test_detour_rows_target_the_next_useful_action_with_the_true_history(tiny_policy) -> None:  # noqa: ANN001
+    r = tiny_policy.renderer
+    # steps 2 and 4 are wasted (a look, a repeated take); the useful actions follow them
+    twin = _traj(r, ["take knife", "look around", "open fridge", "take knife", "eat meal"])
+    contexts = [f"{MARKER} {t}" for t in range(1, 6)]
+    rows = detour_rows(r, twin, 7, 20, 4096, contexts, "before_history", [2, 4])
+    assert [row.steps for row in rows] == [[2], [4]] and {row.traj_index for row in rows} == {7}
+    for row, t in zip(rows, (2, 4), strict=True):
+        (a, b) = row.spans[0]
+        assert row.input_ids[a:b] == twin.steps[t].action_ids  # the next useful action, not the wasted one
+        prompt = r.decode(row.input_ids[:a])
+        assert f"{MARKER} {t}" in prompt
+    # the row at step 4 shows the wasted look at step 2 in its history (each row keeps the true episode)
+    assert "look around" in r.decode(rows[1].input_ids[: rows[1].spans[0][0]])
+    assert twin.steps[1].action_text == expert_reply("look around")  # the trajectory itself is untouched
 
 
 def test_constant_context_packs_teacher_rows(tiny_policy) -> None:  # noqa: ANN001

@@ -107,3 +107,9 @@ def test_rsd_base_shared_through_warm_start_from(tmp_path) -> None:  # noqa: ANN
     assert state["warm_start_from"]["expert"] == 3 and state["ctx-bc"] == first["ctx-bc"]
     with pytest.raises(ConfigError, match="rsd.ctx_warm_fraction is 0.9 here but 0.5"):
         prepare("c", ["rsd.ctx_warm_fraction=0.9", f"bc.warm_start_from={tmp_path / 'a'}"])
+    # the detour variant replays the gold plans with wasted steps and cuts rows at them
+    detoured = prepare("d", ["rsd.ctx_warm_detours=1.0", "rsd.ctx_warm_fraction=1.0", "env.params.max_steps=8"])
+    # the wasted steps never cost the plan its step budget: the replays succeed where the clean demos do
+    assert detoured["expert-detour"]["n"] == 3
+    assert detoured["expert-detour"]["success_rate"] == detoured["expert"]["success_rate"]
+    assert detoured["expert-detour"]["detours"] > 0 and detoured["ctx-bc"]["detour_rows"] > 0
