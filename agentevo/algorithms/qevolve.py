@@ -39,7 +39,7 @@ from agentevo.data.tensors import StepSample, collate, reply_logprobs, trajector
 from agentevo.data.types import Trajectory
 from agentevo.envs.base import SIGNALS
 from agentevo.errors import ConfigError
-from agentevo.eval.metrics import summarize
+from agentevo.eval.metrics import auc, summarize
 from agentevo.models.backend import Generation, Sampling, TransformersPolicy, load_pretrained
 from agentevo.models.critic import (
     Critic,
@@ -398,16 +398,6 @@ def spearman(x: list[float], y: list[float]) -> float | None:
     rx, ry = torch.tensor(_ranks(x)), torch.tensor(_ranks(y))
     rx, ry = rx - rx.mean(), ry - ry.mean()
     return float((rx * ry).sum() / (rx.norm() * ry.norm()))
-
-
-def auc(scores: list[float], positive: list[bool]) -> float | None:
-    """ROC AUC of scores for the positive class (ties count 1/2); None without both classes."""
-    pos = [s for s, p in zip(scores, positive, strict=True) if p]
-    neg = [s for s, p in zip(scores, positive, strict=True) if not p]
-    if not pos or not neg:
-        return None
-    wins = sum((a > b) + 0.5 * (a == b) for a in pos for b in neg)
-    return wins / (len(pos) * len(neg))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -58,9 +58,9 @@ from agentevo.algorithms.selfguide import GuidedExpertActor
 from agentevo.algorithms.writers import RuleWriter, http_client_from_config, make_writer
 from agentevo.data.tensors import StepSample, collate, trajectory_samples
 from agentevo.data.types import Trajectory
-from agentevo.envs.base import Task
+from agentevo.envs.base import SIGNAL_NONE, Task
 from agentevo.errors import ConfigError
-from agentevo.eval.metrics import summarize
+from agentevo.eval.metrics import auc, summarize
 from agentevo.models.backend import Sampling
 from agentevo.rollout.engine import EpisodeRequest, PolicyActor
 from agentevo.train.finetune import finetune
@@ -674,7 +674,7 @@ def _score_round(run: Any, r: int, trajs: list[Trajectory], rule: ContextRule, t
         "teacher_rows": len(rows), "teacher_rows_cut": cut, "kl_pre": float(pre["divergence"].mean()),
         "top1_mismatch": float((top1 != taken).float().mean()) if len(taken) else 0.0,
         "teacher_token_logp": float(cache.teacher_token_logp.mean()),
-        "student_token_logp": float(cache.student_token_logp.mean()), **ctx_stats,
+        "student_token_logp": float(cache.student_token_logp.mean()), **flagged_step_auc(cache, trajs), **ctx_stats,
     }
 
 
@@ -706,6 +706,22 @@ def delta_logp(cache: TeacherCache, after: torch.Tensor) -> dict[str, float]:
     return {"dlogp_disfavoured": sum(dis) / len(dis) if dis else 0.0,
             "dlogp_favoured": sum(fav) / len(fav) if fav else 0.0,
             "disfavoured_steps": len(dis), "favoured_steps": len(fav)}
+
+
+def flagged_step_auc(cache: TeacherCache, trajs: Sequence[Trajectory]) -> dict[str, float | int | None]:
+    """Does the teacher's re-scoring flag the student's mistakes? Per step, the teacher's disfavour
+    log pi_r(a_t) - log p_T(a_t) (sums over the reply's tokens); the AUC of it for the steps the environment flagged
+    (invalid, repeated or malformed actions) against the others: 0.5 = blind to them, 1 = disfavours every flagged
+    step more than any other."""
+    disfavour, flagged = [], []
+    for i, traj in enumerate(trajs):
+        for s in traj.steps:
+            start, n = cache.offsets[(i, s.t)]
+            if n:
+                sl = slice(start, start + n)
+                disfavour.append(float(cache.student_token_logp[sl].sum() - cache.teacher_token_logp[sl].sum()))
+                flagged.append(s.signal != SIGNAL_NONE)
+    return {"teacher_auc_flagged": auc(disfavour, flagged), "flagged_steps": sum(flagged)}
 
 
 def _write_ema_teacher(run: Any, teacher_ckpt: str, student_ckpt: str, out: str, decay: float) -> None:
@@ -784,7 +800,7 @@ def _round_record(ev: dict[str, Any], act: dict[str, Any], ctx: dict[str, Any], 
         "act_success": act.get("success_rate", 0.0), "teacher_ckpt": teach.get("teacher", ""),
         "next_teacher_ckpt": teacher.ckpt, "teacher_frozen": int(teacher.frozen),
         "kl_pre": teach.get("kl_pre", 0.0), "kl_post": upd.get("kl_post", 0.0), "loss": upd.get("loss", 0.0),
-        "top1_mismatch": teach.get("top1_mismatch", 0.0),
+        "top1_mismatch": teach.get("top1_mismatch", 0.0), "teacher_auc_flagged": teach.get("teacher_auc_flagged"),
         "dlogp_disfavoured": upd.get("dlogp_disfavoured", 0.0), "dlogp_favoured": upd.get("dlogp_favoured", 0.0),
         "disfavoured_steps": upd.get("disfavoured_steps", 0), "cache_bytes": teach.get("cache_bytes", 0),
         "rule": json.dumps(rule.to_dict(), sort_keys=True), "rule_decision": rule_state.get("decision", "fixed"),

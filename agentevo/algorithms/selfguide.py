@@ -74,6 +74,7 @@ from agentevo.data.tensors import StepSample, trajectory_samples
 from agentevo.data.types import Step, Trajectory
 from agentevo.envs.base import SIGNAL_FORMAT, SIGNAL_INVALID, SIGNAL_REPEAT
 from agentevo.errors import ConfigError
+from agentevo.eval.metrics import auc
 from agentevo.models.backend import Generation, Sampling
 from agentevo.models.policy import initial_policy, tokenizer_corpus
 from agentevo.rollout.engine import Episode, EpisodeRequest, PolicyActor
@@ -244,16 +245,6 @@ def token_advantages(masks: Sequence[Sequence[bool]], a_env: float, step_terms: 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Logging: verdict distribution and calibration
-
-
-def auc(scores: Sequence[float], labels: Sequence[bool]) -> float | None:
-    """Area under the ROC curve (Mann-Whitney, ties count 1/2); None when one class is empty."""
-    pos = [s for s, y in zip(scores, labels, strict=True) if y]
-    neg = [s for s, y in zip(scores, labels, strict=True) if not y]
-    if not pos or not neg:
-        return None
-    wins = sum(1.0 if p > n else 0.5 if p == n else 0.0 for p in pos for n in neg)
-    return wins / (len(pos) * len(neg))
 
 
 def score_delta(steps: Sequence[Step], t: int) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from agentevo.data.types import Trajectory
@@ -24,3 +25,13 @@ def summarize(trajs: list[Trajectory]) -> dict[str, Any]:
         "repeat_rate": sum(s.signal == "repeat" for s in steps) / n_steps,
         "env_steps": sum(1 for s in steps if s.parsed_action is not None),
     }
+
+
+def auc(scores: Sequence[float], positive: Sequence[bool]) -> float | None:
+    """ROC AUC of scores for the positive class (Mann-Whitney, ties count 1/2); None without both classes."""
+    pos = [s for s, p in zip(scores, positive, strict=True) if p]
+    neg = [s for s, p in zip(scores, positive, strict=True) if not p]
+    if not pos or not neg:
+        return None
+    wins = sum((a > b) + 0.5 * (a == b) for a in pos for b in neg)
+    return wins / (len(pos) * len(neg))

@@ -453,3 +453,21 @@ def test_openai_client_and_llm_writer_against_a_local_stub() -> None:
     assert seen[0]["model"] == "m" and seen[0]["max_tokens"] == 32
     assert "Step 1: Action: take knife" in seen[0]["messages"][0]["content"]
     assert "Failed episode 1" in seen[1]["messages"][0]["content"]
+
+
+def test_flagged_step_auc_on_a_hand_made_cache() -> None:
+    from agentevo.algorithms.rsd import flagged_step_auc
+
+    # two episodes, 3 + 2 steps, replies of 1-2 tokens; steps 2 of each are flagged by the environment
+    a = _traj(None, ["take knife", "take knife", "eat meal"], signals=["none", "repeat", "none"])
+    b = _traj(None, ["open fridge", "eat fridge"], signals=["none", "invalid"])
+    for traj, lens in ((a, (1, 2, 1)), (b, (2, 1))):
+        for s, n in zip(traj.steps, lens, strict=True):
+            s.action_ids = [5] * n
+    cache = TeacherCache.empty([a, b], 2)
+    # disfavour (student minus teacher log-prob, summed over the reply) per step: a: 0.1, 2.0, 0.5; b: -0.2, 0.3
+    cache.student_token_logp = torch.tensor([-1.0, -0.5, -0.5, -1.0, -1.0, -1.0, -1.0])
+    cache.teacher_token_logp = torch.tensor([-1.1, -1.5, -1.5, -1.5, -0.9, -0.9, -1.3])
+    out = flagged_step_auc(cache, [a, b])
+    # flagged {2.0, 0.3} vs others {0.1, 0.5, -0.2}: 2.0 beats all 3, 0.3 beats 2 of 3 -> 5/6
+    assert out["flagged_steps"] == 2 and out["teacher_auc_flagged"] == pytest.approx(5 / 6)
