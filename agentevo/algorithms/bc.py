@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,14 @@ def collect_expert(run: Any, n: int | None) -> list[Trajectory]:
         "expert",
         "expert demos",
     )
+
+
+def ensure_reply_ids(policy: Any, trajs: Sequence[Trajectory]) -> None:
+    """Scripted (expert) replies are stored as text: give them this policy's token ids (as BC tokenises them)."""
+    for traj in trajs:
+        for step in traj.steps:
+            if not step.action_ids:
+                step.action_ids = policy.renderer.encode_reply(step.action_text)
 
 
 class _TextOnlyRenderer:

@@ -32,7 +32,7 @@ import torch
 from agentevo.agent.prompt import build_messages
 from agentevo.algorithms import advantages as adv_math
 from agentevo.algorithms import losses
-from agentevo.algorithms.bc import warm_start
+from agentevo.algorithms.bc import ensure_reply_ids, warm_start
 from agentevo.algorithms.qevolve_config import QEvolveConfig
 from agentevo.data.store import ExperienceStore
 from agentevo.data.tensors import StepSample, collate, reply_logprobs, trajectory_samples
@@ -271,14 +271,6 @@ def data_stats(run: Any, r: int, data: Dataset) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Step 3: the weighted-IQL critic
-
-
-def ensure_reply_ids(policy: TransformersPolicy, trajs: list[Trajectory]) -> None:
-    """Expert replies are stored as text: tokenise them with the policy's tokenizer (as BC did)."""
-    for traj in trajs:
-        for step in traj.steps:
-            if not step.action_ids:
-                step.action_ids = policy.renderer.encode_reply(step.action_text)
 
 
 def critic_items(run: Any, policy: TransformersPolicy, data: Dataset) -> list[CriticItem]:

@@ -33,7 +33,14 @@ import torch
 import yaml
 
 from agentevo.algorithms import losses
-from agentevo.algorithms.bc import WARM_START_PHASES, expert_samples, import_warm_start, nll_loss, warm_start
+from agentevo.algorithms.bc import (
+    WARM_START_PHASES,
+    ensure_reply_ids,
+    expert_samples,
+    import_warm_start,
+    nll_loss,
+    warm_start,
+)
 from agentevo.algorithms.rsd_config import RSDConfig
 from agentevo.algorithms.rsd_context import (
     ContextRule,
@@ -337,14 +344,6 @@ def load_bank(run: Any, up_to: int) -> list[Trajectory]:
     """B: every acted trajectory of rounds 1..up_to."""
     return [t for t in run.store.load(prefix="round-") if t.meta.get("collection", "").endswith("/act")
             and _round_of(t) <= up_to]
-
-
-def ensure_reply_ids(policy: Any, trajs: Sequence[Trajectory]) -> None:
-    """Scripted (expert) replies stored as text get this policy's token ids."""
-    for traj in trajs:
-        for s in traj.steps:
-            if not s.action_ids:
-                s.action_ids = policy.renderer.encode_reply(s.action_text)
 
 
 def _token_counter(tokenizer: Any) -> Callable[[str], int]:
