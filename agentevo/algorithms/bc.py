@@ -18,6 +18,7 @@ import torch
 import yaml
 
 from agentevo.algorithms import losses
+from agentevo.config import config_to_dict
 from agentevo.data.store import ExperienceStore
 from agentevo.data.tensors import StepSample, reply_logprobs, trajectory_samples
 from agentevo.data.types import Trajectory
@@ -140,7 +141,9 @@ def import_warm_start(run: Any, source: Path, collection: str = "expert",
     ours = yaml.safe_load((run.dir / "config.yaml").read_text())
     checks = [("env", None), ("agent", None), ("model", ("path", "tiny", "gguf_file")), *(also_equal or {}).items()]
     for section, keys in checks:
-        a, b = ours.get(section, {}), theirs.get(section, {})
+        # a setting absent from the source's config.yaml (written before the setting existed) counts as its default
+        a = ours.get(section, {})
+        b = {**config_to_dict(type(getattr(run.cfg, section))()), **(theirs.get(section) or {})}
         for key in keys or sorted(set(a) | set(b)):
             if (section, key) == ("env", "n_train") and a.get(key, 0) <= b.get(key, 0):
                 continue  # a study may evolve on the first n training tasks of a BC run trained on more

@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from agentevo.algorithms import losses
 from agentevo.algorithms.bc import (
@@ -41,7 +40,6 @@ from agentevo.algorithms.bc import (
     nll_loss,
     warm_start,
 )
-from agentevo.algorithms.rsd_config import RSDConfig
 from agentevo.algorithms.rsd_context import (
     ContextRule,
     LLMProposer,
@@ -66,7 +64,6 @@ from agentevo.algorithms.writers import RuleWriter, http_client_from_config, mak
 from agentevo.data.tensors import StepSample, collate, trajectory_samples
 from agentevo.data.types import Trajectory
 from agentevo.envs.base import SIGNAL_NONE, Task
-from agentevo.errors import ConfigError
 from agentevo.eval.metrics import auc, summarize
 from agentevo.models.backend import Sampling
 from agentevo.rollout.engine import EpisodeRequest, PolicyActor
@@ -384,17 +381,9 @@ def source_has_ctx_base(source: Path) -> bool:
 
 def import_ctx_warm_start(run: Any, source: Path) -> dict[str, Any]:
     """bc.warm_start_from for the RSD table: a run that finished the context-aware warm start gives its demos, BC
-    and ctx-bc (so every arm and seed of a study starts from one base). A setting absent from the source's
-    config.yaml (written before the setting existed) counts as its default."""
-    config_path = source / "config.yaml"
-    theirs = ((yaml.safe_load(config_path.read_text()) or {}).get("rsd") or {}) if config_path.exists() else {}
-    defaults = RSDConfig()
-    for key in CTX_WARM_START_KEYS:
-        ours, other = getattr(run.cfg.rsd, key), theirs.get(key, getattr(defaults, key))
-        if ours != other:
-            raise ConfigError(f"bc.warm_start_from: rsd.{key} is {ours!r} here but {other!r} in {str(source)!r}; "
-                              "use the same setting or another base run")
-    return import_warm_start(run, source, "expert", CTX_WARM_START_PHASES, checkpoints=("init", "bc", "ctx-bc"))
+    and ctx-bc (so every arm and seed of a study starts from one base)."""
+    return import_warm_start(run, source, "expert", CTX_WARM_START_PHASES, {"rsd": CTX_WARM_START_KEYS},
+                             checkpoints=("init", "bc", "ctx-bc"))
 
 
 def collect_detour_demos(run: Any) -> dict[str, Any]:

@@ -107,6 +107,14 @@ def test_rsd_base_shared_through_warm_start_from(tmp_path) -> None:  # noqa: ANN
     assert state["warm_start_from"]["expert"] == 3 and state["ctx-bc"] == first["ctx-bc"]
     with pytest.raises(ConfigError, match="rsd.ctx_warm_fraction is 0.9 here but 0.5"):
         prepare("c", ["rsd.ctx_warm_fraction=0.9", f"bc.warm_start_from={tmp_path / 'a'}"])
+    # a source written before a setting existed (no key in its config.yaml) counts as that setting's default
+    import yaml
+    source_cfg = yaml.safe_load((tmp_path / "a/config.yaml").read_text())
+    del source_cfg["rsd"]["ctx_warm_detours"]
+    (tmp_path / "a/config.yaml").write_text(yaml.safe_dump(source_cfg, sort_keys=False))
+    assert prepare("e", [f"bc.warm_start_from={tmp_path / 'a'}"])["eval/ctx-bc"] == first["eval/ctx-bc"]
+    with pytest.raises(ConfigError, match="rsd.ctx_warm_detours is 0.5 here but 0.0"):
+        prepare("f", ["rsd.ctx_warm_detours=0.5", f"bc.warm_start_from={tmp_path / 'a'}"])
     # the detour variant replays the gold plans with wasted steps and cuts rows at them
     detoured = prepare("d", ["rsd.ctx_warm_detours=1.0", "rsd.ctx_warm_fraction=1.0", "env.params.max_steps=8"])
     # the wasted steps never cost the plan its step budget: the replays succeed where the clean demos do
