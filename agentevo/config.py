@@ -209,7 +209,7 @@ class EvalConfig:
 class BCConfig:
     """Behaviour cloning on expert demos."""
 
-    n_expert: int | None = _help("expert demos (one per training task, first n tasks; null = env.n_train)", None)
+    n_expert: int | None = _help("expert demos (one per training task, first n tasks; null = every training task the env keeps, i.e. env.n_train, which ScienceWorld and ALFWorld apply per task type)", None)
     warm_start_from: str | None = _help(
         "an earlier run folder whose expert demos, init/bc checkpoints and their evaluations this run starts from "
         "(same env and agent settings; lets every method of a study share one BC model)", None)

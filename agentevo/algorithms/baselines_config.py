@@ -67,8 +67,10 @@ class QLASSConfig:
     """QLASS: exploration trees, a Q-network on the SFT model, Q-guided action selection."""
 
     # 1. exploration trees
-    n_tree_tasks: int | None = option("training tasks that get a tree (first n; null = env.n_train) [P:QLASS all]",
+    n_tree_tasks: int | None = option("training tasks that get a tree (null = every training task) [P:QLASS all]",
                                       None)
+    tree_tasks: str = option("which n_tree_tasks: 'first' n, or 'spread' evenly over the training list (which is "
+                             "ordered by task type for ScienceWorld / ALFWorld) [O]", "first")
     max_depth: int = option("branching happens at steps 1..max_depth [P:QLASS explore script 8]", 8)
     samples_per_depth: int = option("children per expanded node [P:QLASS explore script 2]", 2)
     min_prune_depth: int = option(
@@ -110,6 +112,8 @@ class QLASSConfig:
             raise ConfigError(f"qlass.max_depth must be >= 1 (got {self.max_depth})")
         if self.samples_per_depth < 1:
             raise ConfigError(f"qlass.samples_per_depth must be >= 1 (got {self.samples_per_depth})")
+        if self.tree_tasks not in ("first", "spread"):
+            raise ConfigError(f"qlass.tree_tasks must be 'first' or 'spread' (got {self.tree_tasks!r})")
         if self.n_tree_tasks is not None and self.n_tree_tasks < 1:
             raise ConfigError(f"qlass.n_tree_tasks must be >= 1 or null (got {self.n_tree_tasks})")
         if self.explore_temperature <= 0 or self.candidate_temperature <= 0:

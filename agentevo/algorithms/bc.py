@@ -36,7 +36,8 @@ def nll_loss(model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str,
 
 
 def collect_expert(run: Any, n: int | None) -> list[Trajectory]:
-    """Expert demos (the environment's gold sequences as ReAct replies) on the first n training tasks."""
+    """Expert demos (the environment's gold sequences as ReAct replies) on the first n training tasks (None: all of
+    them; the env applies env.n_train itself, per task type for ScienceWorld)."""
     tasks = run.tasks("train", n)
     # Replies are stored as text: the tiny model's tokenizer is trained on this very text, so token ids are
     # filled in by the training policy's tokenizer (expert_samples). Expert text is not policy output.
@@ -95,8 +96,7 @@ def warm_start(run: Any) -> dict[str, Any]:
     cfg = run.cfg
     if cfg.bc.warm_start_from:
         run.phase("warm_start_from", lambda: import_warm_start(run, Path(cfg.bc.warm_start_from)))
-    n_expert = cfg.bc.n_expert or cfg.env.n_train
-    demos = run.phase("expert", lambda: _expert_stats(collect_expert(run, n_expert)))
+    demos = run.phase("expert", lambda: _expert_stats(collect_expert(run, cfg.bc.n_expert)))
     trajs = run.store.load(collection="expert")
 
     def build_init() -> dict[str, Any]:

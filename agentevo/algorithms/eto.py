@@ -190,7 +190,7 @@ def _iteration(run: Any, i: int, current: str, expert: dict[str, Trajectory]) ->
         sampling = Sampling(eto.explore_temperature, eto.explore_top_p, cfg.agent.max_new_tokens,
                             seed=cfg.seed * 1000 + i)
         actor = PolicyActor(policy, run.signal_env.instruction(), cfg.agent.history_window, sampling)
-        tasks = run.tasks("train", cfg.env.n_train)
+        tasks = run.tasks("train")
         trajs = run.collect(actor, [EpisodeRequest(t, k) for k, t in enumerate(tasks)], collection,
                             f"{name} explore")
         m = summarize(trajs)

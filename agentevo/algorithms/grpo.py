@@ -504,7 +504,7 @@ def run(run: Any) -> dict[str, Any]:
     trainer = PolicyTrainer(policy, cfg, g)
     latest = run.checkpoint_dir("latest")
     done = (trainer.restore(latest) or {}).get("update", 0)
-    train_tasks = list(run.tasks("train", cfg.env.n_train))
+    train_tasks = list(run.tasks("train"))
     window, max_len = cfg.agent.history_window, cfg.optim.max_length
     eval_points: list[tuple[str, dict[str, dict[str, Any]]]] = [("bc", results["eval/bc"])]
 

@@ -209,13 +209,22 @@ def _fill_expert_ids(policy: TransformersPolicy, traj: Trajectory) -> Trajectory
     return traj
 
 
+def tree_task_indices(n_experts: int, n: int | None, pick: str) -> list[int]:
+    """Which expert demos (training tasks) get a tree: the first n, or n spread evenly over the list."""
+    if n is None or n >= n_experts:
+        return list(range(n_experts))
+    if pick == "first":
+        return list(range(n))
+    return [k * n_experts // n for k in range(n)]
+
+
 def build_trees(run: Any, policy: TransformersPolicy) -> tuple[list[Tree], dict[str, Any]]:
     """Grow the exploration trees wave by wave (each wave resumable) and return them with step counts."""
     cfg, q = run.cfg, run.cfg.qlass
     window = cfg.agent.history_window
     experts = run.store.load(collection="expert")
-    n_tasks = q.n_tree_tasks or cfg.bc.n_expert or cfg.env.n_train
-    trees = [Tree(_fill_expert_ids(policy, e)) for e in experts[:n_tasks]]
+    picked = tree_task_indices(len(experts), q.n_tree_tasks or cfg.bc.n_expert, q.tree_tasks)
+    trees = [Tree(_fill_expert_ids(policy, experts[k])) for k in picked]
     sampler = policy
     sampling = Sampling(q.explore_temperature, q.explore_top_p, cfg.agent.max_new_tokens, top_k=q.explore_top_k)
     queue: list[tuple[int, Node]] = [(k, tree.root) for k, tree in enumerate(trees)]

@@ -391,7 +391,7 @@ def collect_detour_demos(run: Any) -> dict[str, Any]:
     cfg = run.cfg
     actor = GuidedExpertActor(cfg.agent.thoughts, cfg.rsd.ctx_warm_detour_prob, cfg.seed, with_guide=False,
                               position="before")
-    tasks = run.tasks("train", cfg.bc.n_expert or cfg.env.n_train)
+    tasks = run.tasks("train", cfg.bc.n_expert)
     trajs = run.collect(actor, [EpisodeRequest(t, k) for k, t in enumerate(tasks)], DETOUR_COLLECTION,
                         "expert demos with detours")
     return {**summarize(trajs), "detours": sum(len(t.meta.get("detours", [])) for t in trajs)}

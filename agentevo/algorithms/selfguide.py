@@ -405,7 +405,7 @@ def guide_warm_start(run: Any) -> dict[str, Any]:
     if cfg.bc.warm_start_from:
         run.phase("warm_start_from", lambda: import_guide_warm_start(run, Path(cfg.bc.warm_start_from)))
     keeps = demo_keeps(sg)
-    tasks = run.tasks("train", cfg.bc.n_expert or cfg.env.n_train)
+    tasks = run.tasks("train", cfg.bc.n_expert)
     actor = GuidedExpertActor(cfg.agent.thoughts, sg.demo_detour_prob, cfg.seed, with_guide, sg.guide_position)
     requests = [EpisodeRequest(t, k, meta={"keep": keeps[k % len(keeps)]}) for k, t in enumerate(tasks)]
 
@@ -485,7 +485,7 @@ def run(run: Any) -> dict[str, Any]:
     trainer = PolicyTrainer(policy, cfg, g)
     latest = run.checkpoint_dir("latest")
     done = (trainer.restore(latest) or {}).get("update", 0)
-    train_tasks = list(run.tasks("train", cfg.env.n_train))
+    train_tasks = list(run.tasks("train"))
     window, max_len = cfg.agent.history_window, cfg.optim.max_length
     max_new = cfg.agent.max_new_tokens + (sg.guide_max_tokens if with_guide else 0)
     mask_fn = make_masker(policy.tokenizer, sg.guide_position, with_guide)
