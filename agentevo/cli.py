@@ -112,7 +112,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     from agentevo.eval.compare import compare
 
-    path, table = compare([Path(d) for d in args.run_dirs], args.split, Path(args.out))
+    path, table = compare([Path(d) for d in args.run_dirs], args.split, Path(args.out), args.metric)
     print(table)
     print(path)
     return 0
@@ -197,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dirs", nargs="+")
     p.add_argument("--split", default="test")
     p.add_argument("--out", default="runs/compare", help="folder for compare.md and compare.png")
+    p.add_argument("--metric", default="success", choices=["success", "reward"],
+                   help="success rate, or average final reward (ScienceWorld's published metric: the final score)")
     p.set_defaults(fn=cmd_compare)
 
     p = sub.add_parser("envs", help="list, show or play environments")

@@ -39,6 +39,12 @@ def test_groups_by_seed_suffix_with_mean_and_sd(tmp_path: Path) -> None:
     assert "| qe | 2 | 20.0 ± 0.0 (n=2) | 20.0 ± 14.1 (n=2) |" in table
     assert "| wo-pi | 1 | 20.0 ± 0.0 (n=1) | 0.0 ± 0.0 (n=1) |" in table
     assert table in path.read_text() and (tmp_path / "out" / "compare.png").exists()
+    # average reward is success / 2 here: qe round-1 = mean(15, 5) = 10, sd = sqrt(2 * 5^2) = 7.1
+    path, table = compare(runs, "test", tmp_path / "out-r", metric="reward")
+    assert "| qe | 2 | 10.0 ± 0.0 (n=2) | 10.0 ± 7.1 (n=2) |" in table
+    assert "average final reward" in path.read_text()
+    with pytest.raises(ConfigError, match="--metric must be one of success, reward"):
+        compare(runs, "test", tmp_path / "out-x", metric="score")
 
 
 def test_errors_name_the_fix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

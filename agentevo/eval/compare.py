@@ -18,6 +18,7 @@ from typing import Any
 from agentevo.errors import ConfigError
 
 SEED_SUFFIX = re.compile(r"-s\d+$")
+METRICS = {"success": "held-out success (%)", "reward": "held-out average final reward (x100)"}
 
 
 @dataclass
@@ -28,6 +29,10 @@ class Point:
     success: float
     reward: float
     env_steps: float | None
+
+    def value(self, metric: str) -> float:
+        """The compared number in percent: success rate, or average final reward (ScienceWorld's score) x 100."""
+        return 100 * (self.success if metric == "success" else self.reward)
 
 
 @dataclass
@@ -95,8 +100,8 @@ def _mean_sd(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def markdown_table(groups: list[Group], labels: list[str]) -> str:
-    """Success % as mean ± sd (n runs) per group and evaluation point; '-' where a group has no such point."""
+def markdown_table(groups: list[Group], labels: list[str], metric: str = "success") -> str:
+    """The metric (%) as mean ± sd (n runs) per group and evaluation point; '-' where a group has no such point."""
     head = "| runs | seeds | " + " | ".join(labels) + " |"
     lines = [head, "|---|---|" + "---|" * len(labels)]
     for g in groups:
@@ -106,14 +111,14 @@ def markdown_table(groups: list[Group], labels: list[str]) -> str:
             if not pts:
                 cells.append("-")
                 continue
-            mean, sd = _mean_sd([100 * p.success for p in pts])
+            mean, sd = _mean_sd([p.value(metric) for p in pts])
             cells.append(f"{mean:.1f} ± {sd:.1f} (n={len(pts)})")
         lines.append(f"| {g.name} | {len(g.runs)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def plot_groups(groups: list[Group], labels: list[str], path: Path) -> None:
-    """Left: success per evaluation point (mean ± sd); right: success against training env steps."""
+def plot_groups(groups: list[Group], labels: list[str], path: Path, metric: str = "success") -> None:
+    """Left: the metric per evaluation point (mean ± sd); right: the metric against training env steps."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -128,7 +133,7 @@ def plot_groups(groups: list[Group], labels: list[str], path: Path) -> None:
             pts = g.points.get(label, [])
             if not pts:
                 continue
-            mean, sd = _mean_sd([100 * p.success for p in pts])
+            mean, sd = _mean_sd([p.value(metric) for p in pts])
             xs.append(x)
             means.append(mean)
             sds.append(sd)
@@ -140,10 +145,10 @@ def plot_groups(groups: list[Group], labels: list[str], path: Path) -> None:
             right.errorbar([p[0] for p in paired], [p[1] for p in paired], yerr=[p[2] for p in paired], marker="o",
                            capsize=3, label=g.name, color=color)
     left.set_xticks(range(len(labels)), labels, rotation=30, fontsize=8)
-    left.set_ylabel("held-out success (%)")
-    left.set_title("success per evaluation point (mean ± sd over seeds)", fontsize=9)
+    left.set_ylabel(METRICS[metric])
+    left.set_title(f"{metric} per evaluation point (mean ± sd over seeds)", fontsize=9)
     right.set_xlabel("env steps collected after the BC warm start")
-    right.set_title("success vs environment steps used", fontsize=9)
+    right.set_title(f"{metric} vs environment steps used", fontsize=9)
     left.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -151,8 +156,10 @@ def plot_groups(groups: list[Group], labels: list[str], path: Path) -> None:
     plt.close(fig)
 
 
-def compare(run_dirs: list[Path], split: str, out: Path) -> tuple[Path, str]:
+def compare(run_dirs: list[Path], split: str, out: Path, metric: str = "success") -> tuple[Path, str]:
     """Write out/compare.md and out/compare.png; returns the markdown path and the table."""
+    if metric not in METRICS:
+        raise ConfigError(f"--metric must be one of {', '.join(METRICS)} (got {metric!r})")
     if not run_dirs:
         raise ConfigError("give at least one run folder: agentevo compare runs/A-s0 runs/A-s1 runs/B-s0 ...")
     groups = group_runs(run_dirs, split)
@@ -161,10 +168,10 @@ def compare(run_dirs: list[Path], split: str, out: Path) -> tuple[Path, str]:
         labels += [label for label in g.points if label not in labels]
     if not labels:
         raise ConfigError(f"no run has an evaluation on split {split!r}; pick another with --split")
-    table = markdown_table(groups, labels)
-    plot_groups(groups, labels, out / "compare.png")
+    table = markdown_table(groups, labels, metric)
+    plot_groups(groups, labels, out / "compare.png", metric)
     runs = ", ".join(f"`{d}`" for d in run_dirs)
-    text = (f"# Comparison on split `{split}`\n\nRuns: {runs}\n\nHeld-out success (%), mean ± sd over seeds:\n\n"
+    text = (f"# Comparison on split `{split}`\n\nRuns: {runs}\n\n{METRICS[metric].capitalize()}, mean ± sd over seeds:\n\n"
             f"{table}\n\n![comparison](compare.png)\n")
     path = out / "compare.md"
     path.write_text(text)
