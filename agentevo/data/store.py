@@ -153,6 +153,14 @@ class ExperienceStore:
                 self._db.execute("SELECT COUNT(*) FROM trajectories WHERE collection = ?", (collection,)).fetchone()[0]
             )
 
+    def by_task_type(self, collection: str) -> list[tuple[str, int, float, float]]:
+        """(task type, trajectories, mean final reward, success rate) of one collection, by task type."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT task_type, COUNT(*), AVG(final_reward), AVG(success) FROM trajectories WHERE collection = ? "
+                "GROUP BY task_type ORDER BY MIN(id)", (collection,)).fetchall()
+        return [(str(t), int(n), float(r), float(s)) for t, n, r, s in rows]
+
     def collections(self) -> list[str]:
         """Names of all collections, oldest first."""
         with self._lock:

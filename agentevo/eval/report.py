@@ -58,6 +58,23 @@ def _plot_training(records: list[dict[str, Any]], path: Path) -> list[str]:
     return phases
 
 
+def _task_type_lines(store: Any, rows: list[tuple[str, str, dict[str, Any]]]) -> list[str]:
+    """Per task type success / mean final reward of each evaluation, when the tasks span several types."""
+    cells: dict[str, dict[str, tuple[int, float, float]]] = {}
+    for policy, split, _ in rows:
+        for task_type, n, reward, success in store.by_task_type(f"eval/{policy}/{split}"):
+            cells.setdefault(task_type, {})[f"{policy} ({split})"] = (n, reward, success)
+    if len(cells) < 2:
+        return []
+    columns = [f"{policy} ({split})" for policy, split, _ in rows]
+    lines = ["", "## By task type (success % / mean final reward)", "",
+             "| task type | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    for task_type, per in cells.items():
+        shown = [f"{100 * per[c][2]:.0f}% / {per[c][1]:.3f} (n={per[c][0]})" if c in per else "-" for c in columns]
+        lines.append(f"| {task_type} | " + " | ".join(shown) + " |")
+    return lines
+
+
 def write_report(run: Any) -> Path:
     """Write report.md (and plots/*.png) from state.json and metrics.jsonl; returns its path."""
     plots = run.dir / "plots"
@@ -86,6 +103,7 @@ def write_report(run: Any) -> Path:
     if rows:
         _plot_success(rows, plots / "success.png")
         lines += ["", "![success](plots/success.png)"]
+    lines += _task_type_lines(run.store, rows)
     phases = _plot_training(run.logger.records(), plots / "training.png")
     if phases:
         lines += ["", "## Training", "", "![training loss](plots/training.png)"]
