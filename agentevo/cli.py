@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from agentevo.errors import AgentevoError, ConfigError
+from agentevo.eval.compare import METRICS
 
 
 def _summary_table(run: Any, results: dict[str, Any]) -> None:
@@ -197,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dirs", nargs="+")
     p.add_argument("--split", default="test")
     p.add_argument("--out", default="runs/compare", help="folder for compare.md and compare.png")
-    p.add_argument("--metric", default="success", choices=["success", "reward"],
+    p.add_argument("--metric", default="success", choices=list(METRICS),
                    help="success rate, or average final reward (ScienceWorld's published metric: the final score)")
     p.set_defaults(fn=cmd_compare)
 

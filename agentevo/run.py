@@ -19,7 +19,7 @@ from agentevo.data.store import ExperienceStore
 from agentevo.data.types import Trajectory
 from agentevo.envs import TaskList, make_env
 from agentevo.errors import AgentevoError, ConfigError
-from agentevo.eval.metrics import summarize
+from agentevo.eval.metrics import eval_collection, summarize
 from agentevo.models import placement
 from agentevo.models.backend import Sampling, TransformersPolicy, load_pretrained, set_torch_threads
 from agentevo.rollout.engine import EpisodeRequest, PolicyActor, run_episodes
@@ -263,9 +263,9 @@ class Run:
         for split in splits or self.cfg.eval.splits:
             tasks = self.tasks(split, self.cfg.eval.n_tasks)
             requests = [EpisodeRequest(t, k, prefix=prefix_fn(t) if prefix_fn else "") for k, t in enumerate(tasks)]
-            trajs = self.collect(actor, requests, f"eval/{label}/{split}", f"eval {label} on {split}", pool=pool)
+            trajs = self.collect(actor, requests, eval_collection(label, split), f"eval {label} on {split}", pool=pool)
             metrics = {**summarize(trajs), "task_hash": tasks.hash, "split": split, **(extra or {})}
-            self.logger.log(f"eval/{label}/{split}", 0, {k: v for k, v in metrics.items() if k != "split"})
+            self.logger.log(eval_collection(label, split), 0, {k: v for k, v in metrics.items() if k != "split"})
             out[split] = metrics
         return out
 

@@ -39,7 +39,7 @@ from agentevo.algorithms.losses import aggregate
 from agentevo.data.tensors import StepSample, step_prompt_ids
 from agentevo.data.types import Step, Trajectory, final_reward
 from agentevo.errors import AgentevoError
-from agentevo.eval.metrics import summarize
+from agentevo.eval.metrics import eval_collection, summarize
 from agentevo.models import placement
 from agentevo.models.backend import Generation, Sampling, TransformersPolicy
 from agentevo.rollout.engine import Episode, EpisodeRequest, PolicyActor
@@ -574,7 +574,7 @@ def q_guided_evaluate(run: Any, policy: TransformersPolicy, qnet: QNet, label: s
     out = {}
     for split in cfg.eval.splits:
         tasks = run.tasks(split, cfg.eval.n_tasks)
-        collection = f"eval/{label}/{split}"
+        collection = eval_collection(label, split)
         done = run.store.done_slots(collection)
         todo = [EpisodeRequest(t, k) for k, t in enumerate(tasks) if k not in done]
         if todo:
@@ -598,7 +598,7 @@ def q_guided_evaluate(run: Any, policy: TransformersPolicy, qnet: QNet, label: s
             metrics[f"inference_{key}"] = sum(int(t.meta.get(key, 0)) for t in trajs)
         # Every env.step the selection made: replays of the chosen prefix plus one per executed candidate.
         metrics["inference_env_steps"] = metrics["inference_replay_steps"] + metrics["inference_candidate_steps"]
-        run.logger.log(f"eval/{label}/{split}", 0, {k: v for k, v in metrics.items() if k != "split"})
+        run.logger.log(eval_collection(label, split), 0, {k: v for k, v in metrics.items() if k != "split"})
         out[split] = metrics
     return out
 

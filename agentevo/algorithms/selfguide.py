@@ -74,7 +74,7 @@ from agentevo.data.tensors import StepSample, trajectory_samples
 from agentevo.data.types import Step, Trajectory
 from agentevo.envs.base import SIGNAL_FORMAT, SIGNAL_INVALID, SIGNAL_REPEAT
 from agentevo.errors import ConfigError
-from agentevo.eval.metrics import auc
+from agentevo.eval.metrics import auc, eval_collection
 from agentevo.models.backend import Generation, Sampling
 from agentevo.models.policy import initial_policy, tokenizer_corpus
 from agentevo.rollout.engine import Episode, EpisodeRequest, PolicyActor
@@ -462,7 +462,7 @@ def evaluate_guided(run: Any, policy: Any, label: str, keep: int | None, pool: A
         out = evaluate_with(run, actor, label, pool, extra)
     if with_guide:
         for split in out:
-            trajs = run.store.load(collection=f"eval/{label}/{split}")
+            trajs = run.store.load(collection=eval_collection(label, split))
             out[split].update({f"eval_{k}": v for k, v in guide_stats(trajs, sg.guide_position, actor.mask_fn).items()})
     return out
 

@@ -8,6 +8,11 @@ from typing import Any
 from agentevo.data.types import Trajectory
 
 
+def eval_collection(label: str, split: str) -> str:
+    """The experience-store collection of one evaluation: eval/<policy label>/<split>."""
+    return f"eval/{label}/{split}"
+
+
 def summarize(trajs: list[Trajectory]) -> dict[str, Any]:
     """Aggregate metrics over trajectories (rates are per step for the signals, per episode otherwise)."""
     n = len(trajs)

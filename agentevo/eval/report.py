@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from agentevo.eval.metrics import eval_collection
+
 
 def _eval_rows(state: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
     rows = []
@@ -62,7 +64,7 @@ def _task_type_lines(store: Any, rows: list[tuple[str, str, dict[str, Any]]]) ->
     """Per task type success / mean final reward of each evaluation, when the tasks span several types."""
     cells: dict[str, dict[str, tuple[int, float, float]]] = {}
     for policy, split, _ in rows:
-        for task_type, n, reward, success in store.by_task_type(f"eval/{policy}/{split}"):
+        for task_type, n, reward, success in store.by_task_type(eval_collection(policy, split)):
             cells.setdefault(task_type, {})[f"{policy} ({split})"] = (n, reward, success)
     if len(cells) < 2:
         return []
