@@ -28,6 +28,12 @@ def _count(db: Path, collection: str) -> int:
         return 0
 
 
+def _rewards(db: Path, collection: str) -> list[tuple[int, str, float]]:
+    with sqlite3.connect(db) as conn:
+        return conn.execute("SELECT slot, task_id, final_reward FROM trajectories WHERE collection = ? ORDER BY slot",
+                            (collection,)).fetchall()
+
+
 def _rows(db: Path) -> list[tuple]:
     with sqlite3.connect(db) as conn:
         return conn.execute("SELECT id, collection, slot, task_id, n_steps FROM trajectories ORDER BY id").fetchall()
@@ -75,7 +81,12 @@ def _check_warm_start_from(tmp_path: Path, env: dict[str, str]) -> None:
     source = json.loads((tmp_path / "r" / "state.json").read_text())
     assert state["eval/bc"] == source["eval/bc"] and state["bc"] == source["bc"]
     assert state["expert"]["n"] == 2 and _count(tmp_path / "w" / "experience.db", "expert") == 2
-    assert _count(tmp_path / "w" / "experience.db", "eval/bc/test") == 0  # nothing was re-run
+    # the imported evaluations' trajectories are copied slot for slot (the run folder is self-contained) and the
+    # phases were not re-run: same collections, same rewards per slot
+    for collection in ("eval/init/test", "eval/bc/test"):
+        assert _rewards(tmp_path / "w" / "experience.db", collection) == _rewards(tmp_path / "r" / "experience.db",
+                                                                                   collection)
+        assert len(_rewards(tmp_path / "w" / "experience.db", collection)) == source[collection[:-5]]["test"]["n"]
     assert (tmp_path / "w" / "checkpoints" / "bc" / "model.safetensors").exists()
     bad = subprocess.run([*base, "--name", "x", "--set", "agent.max_new_tokens=7"], env=env, capture_output=True,
                          text=True, timeout=300)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from agentevo.data.store import ExperienceStore
 from agentevo.data.types import Trajectory
 from agentevo.envs.base import Task
-from agentevo.eval.report import _task_type_lines, _warm_start_store
+from agentevo.eval.report import _task_type_lines
 
 
 def _traj(task_type: str, k: int, reward: float, success: bool) -> Trajectory:
@@ -30,25 +30,3 @@ def test_task_type_table_has_mean_reward_and_success_per_type(tmp_path) -> None:
     assert _task_type_lines(single, [("bc", "test", {})]) == []
     store.close()
     single.close()
-
-
-def test_imported_warm_start_evaluations_come_from_the_source_run(tmp_path) -> None:  # noqa: ANN001
-    source_dir = tmp_path / "study-bc"
-    source = ExperienceStore(source_dir / "experience.db")
-    for k, (ttype, r) in enumerate([("find-plant", 0.4), ("lifespan", 0.8)]):
-        source.add(_traj(ttype, k, r, False), "eval/bc/test", k)
-    source.close()
-    store = ExperienceStore(tmp_path / "run" / "experience.db")
-    store.add(_traj("find-plant", 5, 1.0, True), "eval/round-1/test", 0)
-    store.add(_traj("lifespan", 6, 0.0, False), "eval/round-1/test", 1)
-    rows = [("bc", "test", {}), ("round-1", "test", {})]
-    assert "| find-plant | - | 100% / 1.000 (n=1) |" in _task_type_lines(store, rows)
-    imported = _warm_start_store({"warm_start_from": {"source": str(source_dir), "expert": 2}})
-    assert imported is not None
-    lines = _task_type_lines(store, rows, imported)
-    assert "| find-plant | 0% / 0.400 (n=1) | 100% / 1.000 (n=1) |" in lines
-    assert "| lifespan | 0% / 0.800 (n=1) | 0% / 0.000 (n=1) |" in lines
-    imported.close()
-    assert _warm_start_store({"warm_start_from": {"source": str(tmp_path / "gone")}}) is None
-    assert _warm_start_store({}) is None
-    store.close()

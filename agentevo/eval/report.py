@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from agentevo.data.store import ExperienceStore
 from agentevo.eval.metrics import eval_collection
 
 
@@ -61,14 +60,12 @@ def _plot_training(records: list[dict[str, Any]], path: Path) -> list[str]:
     return phases
 
 
-def _task_type_lines(store: Any, rows: list[tuple[str, str, dict[str, Any]]], source: Any = None) -> list[str]:
-    """Per task type success / mean final reward of each evaluation, when the tasks span several types.
-    `source`: the store of the run this one imported its warm start from, where the imported evaluations live."""
+def _task_type_lines(store: Any, rows: list[tuple[str, str, dict[str, Any]]]) -> list[str]:
+    """Per task type success / mean final reward of each evaluation, when the tasks span several types."""
     cells: dict[str, dict[str, tuple[int, float, float]]] = {}
     for policy, split, _ in rows:
         collection = eval_collection(policy, split)
-        found = store.by_task_type(collection) or (source.by_task_type(collection) if source is not None else [])
-        for task_type, n, reward, success in found:
+        for task_type, n, reward, success in store.by_task_type(collection):
             cells.setdefault(task_type, {})[f"{policy} ({split})"] = (n, reward, success)
     if len(cells) < 2:
         return []
@@ -79,13 +76,6 @@ def _task_type_lines(store: Any, rows: list[tuple[str, str, dict[str, Any]]], so
         shown = [f"{100 * per[c][2]:.0f}% / {per[c][1]:.3f} (n={per[c][0]})" if c in per else "-" for c in columns]
         lines.append(f"| {task_type} | " + " | ".join(shown) + " |")
     return lines
-
-
-def _warm_start_store(state: dict[str, Any]) -> ExperienceStore | None:
-    """The experience store of the run a warm start was imported from (bc.warm_start_from), if it is still there."""
-    source = (state.get("warm_start_from") or {}).get("source")
-    db = Path(source) / "experience.db" if source else None
-    return ExperienceStore(db) if db is not None and db.exists() else None
 
 
 def write_report(run: Any) -> Path:
@@ -116,10 +106,7 @@ def write_report(run: Any) -> Path:
     if rows:
         _plot_success(rows, plots / "success.png")
         lines += ["", "![success](plots/success.png)"]
-    source = _warm_start_store(run.state)
-    lines += _task_type_lines(run.store, rows, source)
-    if source is not None:
-        source.close()
+    lines += _task_type_lines(run.store, rows)
     phases = _plot_training(run.logger.records(), plots / "training.png")
     if phases:
         lines += ["", "## Training", "", "![training loss](plots/training.png)"]
