@@ -86,7 +86,8 @@ def _check_warm_start_from(tmp_path: Path, env: dict[str, str]) -> None:
     for collection in ("eval/init/test", "eval/bc/test"):
         assert _rewards(tmp_path / "w" / "experience.db", collection) == _rewards(tmp_path / "r" / "experience.db",
                                                                                    collection)
-        assert len(_rewards(tmp_path / "w" / "experience.db", collection)) == source[collection[:-5]]["test"]["n"]
+        phase = collection.rsplit("/", 1)[0]  # eval/bc/test -> eval/bc
+        assert len(_rewards(tmp_path / "w" / "experience.db", collection)) == source[phase]["test"]["n"]
     assert (tmp_path / "w" / "checkpoints" / "bc" / "model.safetensors").exists()
     bad = subprocess.run([*base, "--name", "x", "--set", "agent.max_new_tokens=7"], env=env, capture_output=True,
                          text=True, timeout=300)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -142,6 +143,23 @@ def test_store_search_goals_and_content_words(tmp_path, twx_env) -> None:  # noq
         store.add(Trajectory(task, "self", "p", "I", [step], 0.0, False, goal="x"), "c", 0)
     assert store.count("c") == 3  # the failed write left nothing behind
     store.close()
+
+
+def test_store_add_missing_keeps_slots_and_skips_stored_ones(tmp_path, twx_env) -> None:  # noqa: ANN001
+    from agentevo.data.types import Step, Trajectory
+
+    source, target = ExperienceStore(tmp_path / "a.db"), ExperienceStore(tmp_path / "b.db")
+    task = twx_env.tasks("train")[0]
+    step = Step(1, "o", "Action: x", [1], None, "x", "o2", 0.0, True)
+    for slot, reward in [(3, 0.3), (1, 0.1)]:
+        source.add(Trajectory(task, "self", "p", "I", [step], reward, False, meta={"k": slot}), "c", slot)
+    target.add(Trajectory(task, "self", "p", "I", [step], 0.9, False), "c", 1)  # already imported before a resume
+    target.add_missing("c", ((int(t.meta["slot"]), t) for t in source.load(collection="c")))
+    assert {t.meta["slot"]: t.final_reward for t in target.load(collection="c")} == {1: 0.9, 3: 0.3}
+    row = target._db.execute("SELECT meta_json FROM trajectories WHERE slot = 3").fetchone()[0]
+    assert json.loads(row) == {"k": 3}  # the source store's id / collection / slot are not written into meta
+    source.close()
+    target.close()
 
 
 def test_unknown_environment_is_rejected() -> None:

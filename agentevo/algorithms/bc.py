@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -156,10 +155,7 @@ def import_warm_start(run: Any, source: Path, collection: str = "expert",
         experts = src_store.load(collection=collection)
         train_ids = {t.task_id for t in run.tasks("train")}
         experts = [t for t in experts if t.task.task_id in train_ids]
-        done = run.store.done_slots(collection)
-        for slot, traj in enumerate(experts):
-            if slot not in done:
-                run.store.add(traj, collection, slot)
+        run.store.add_missing(collection, enumerate(experts))
         _copy_evaluations(src_store, run.store, [p for p in phases[1:] if p.startswith("eval/")])
     finally:
         src_store.close()
@@ -178,14 +174,8 @@ def _copy_evaluations(source: ExperienceStore, target: ExperienceStore, phases: 
     """Copy the trajectories of imported evaluation phases (eval/LABEL -> collections eval/LABEL/SPLIT), slot for
     slot, so the run folder alone holds everything its report reads."""
     for name in source.collections():
-        if not any(name.startswith(phase + "/") for phase in phases):
-            continue
-        done = target.done_slots(name)
-        for traj in source.load(collection=name):
-            slot = int(traj.meta["slot"])
-            if slot not in done:
-                meta = {k: v for k, v in traj.meta.items() if k not in ("store_id", "collection", "slot")}
-                target.add(replace(traj, meta=meta), name, slot)
+        if any(name.startswith(phase + "/") for phase in phases):
+            target.add_missing(name, ((int(t.meta["slot"]), t) for t in source.load(collection=name)))
 
 
 def _expert_stats(trajs: list[Trajectory]) -> dict[str, Any]:

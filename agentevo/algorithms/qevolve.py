@@ -177,10 +177,7 @@ def import_round1_data(run: Any, source: Path) -> dict[str, Any]:
         trajs = store.load(collection="round-1/self")
     finally:
         store.close()
-    done = run.store.done_slots("round-1/self")
-    for traj in trajs:
-        if int(traj.meta["slot"]) not in done:
-            run.store.add(traj, "round-1/self", int(traj.meta["slot"]))
+    run.store.add_missing("round-1/self", ((int(t.meta["slot"]), t) for t in trajs))
     return {**state["round-1/collect"], "imported_from": str(source)}
 
 

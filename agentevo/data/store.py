@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sqlite3
 import threading
 import time
 from array import array
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +138,15 @@ class ExperienceStore:
                 cur.execute("ROLLBACK")
                 raise
         return traj_id
+
+    def add_missing(self, collection: str, slotted: Iterable[tuple[int, Trajectory]]) -> None:
+        """Store trajectories read from another run's store under the given slots, skipping slots already stored (a
+        resumed import); the other store's bookkeeping in their meta (store_id, collection, slot) is dropped."""
+        done = self.done_slots(collection)
+        for slot, traj in slotted:
+            if slot not in done:
+                meta = {k: v for k, v in traj.meta.items() if k not in ("store_id", "collection", "slot")}
+                self.add(dataclasses.replace(traj, meta=meta), collection, slot)
 
     # -- reading -------------------------------------------------------------------------------
     def done_slots(self, collection: str) -> set[int]:
