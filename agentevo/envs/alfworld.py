@@ -63,8 +63,10 @@ _GOAL = re.compile(r"Your task is to: (.*)", re.DOTALL)
 # Where `alfworld-download` puts the data by default (importing alfworld also sets ALFWORLD_DATA to this).
 _DEFAULT_ALFWORLD_DATA = os.path.expanduser("~/.cache/alfworld")
 
-# pddl2sas swaps sys.argv / sys.stdout and fast-downward's translator keeps module-level options, so loading or
-# planning must not run in two threads at once.
+# TextWorld is not thread-safe: pddl2sas swaps sys.argv / sys.stdout, fast-downward's translator keeps module-level
+# options, and steps of two instances in two threads raised IndexError inside TextWorld and then segfaulted in
+# dlopen. Every call into TextWorld (load, reset, step, plan, close) holds this lock; threads add no speed here anyway
+# (the work is Python under the GIL), so parallel ALFWorld rollouts use rollout.workers = process.
 _TW_LOCK = threading.RLock()
 
 
@@ -220,7 +222,8 @@ class _GameRunner:
             if self.fast:
                 install_speedups()
             if self._gym is None:
-                self._gym = self._make(gamefile)
+                idle = _IDLE_GYMS.get(self._settings())
+                self._gym = idle.pop() if idle else self._make(gamefile)
             if self._loaded != gamefile:
                 self._loaded = None
                 self._gym.batch_env.load([gamefile])  # same as gym reset() does, minus re-loading a loaded game
@@ -233,21 +236,28 @@ class _GameRunner:
 
     def step(self, command: str) -> tuple[str, float, bool, dict[str, Any]]:
         """One command through the gym env."""
-        return self._gym.step(command)
+        with _TW_LOCK:
+            return self._gym.step(command)
 
-    def close(self) -> None:
-        """Drop the env and unload its private copy of libdownward (34 MB)."""
-        if self._gym is None:
-            return
-        try:
-            lib = self._pddl_env().downward_lib
-            import fast_downward
+    def close(self, reuse: bool = True) -> None:
+        """Release the TextWorld env. Its copy of libdownward is never unloaded: every copy shares fast-downward's
+        plugin registry (a GNU-unique symbol, options::RawRegistry::instance), so dlclose-ing the copy that owns it
+        made the next load segfault. A healthy env is parked for the next runner with the same settings instead;
+        one that raised (reuse=False) is dropped, its library left mapped."""
+        with _TW_LOCK:
+            if self._gym is None:
+                return
+            if reuse:
+                _IDLE_GYMS.setdefault(self._settings(), []).append(self._gym)
+            self._gym = None
+            self._loaded = None
 
-            fast_downward.close_lib(lib)
-        except Exception:  # noqa: BLE001 - nothing was loaded yet, or the library is already gone
-            pass
-        self._gym = None
-        self._loaded = None
+    def _settings(self) -> tuple[int, bool, bool]:
+        return (self.max_steps, self.walkthrough, self.fast)
+
+
+# Closed, healthy TextWorld envs by (max_steps, walkthrough, fast), reused by the next runner (see _GameRunner.close).
+_IDLE_GYMS: dict[tuple[int, bool, bool], list[Any]] = {}
 
 
 _CHECKER: dict[str, _GameRunner] = {}
@@ -479,7 +489,7 @@ class ALFWorldEnv:
         except AgentevoError:
             raise
         except Exception as exc:  # a broken game file or a TextWorld error: start clean next time
-            self._runner.close()
+            self._runner.close(reuse=False)
             raise EnvCrashedError(
                 f"alfworld: reset of {task.task_id} failed ({exc.__class__.__name__}: {exc})"
             ) from exc
@@ -514,7 +524,7 @@ class ALFWorldEnv:
         try:
             raw, score, done, info = self._runner.step(str(action))
         except Exception as exc:  # noqa: BLE001 - the episode cannot continue; the pool retries it
-            self._runner.close()
+            self._runner.close(reuse=False)
             self._task = None
             raise EnvCrashedError(f"alfworld: step {action!r} failed ({exc.__class__.__name__}: {exc})") from exc
         self._steps += 1

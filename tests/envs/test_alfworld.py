@@ -5,7 +5,10 @@ from __future__ import annotations
 import builtins
 import importlib.util
 import json
+import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -280,3 +283,61 @@ def test_many_generated_games_win_in_every_split(tmp_path: Path) -> None:
             *_, (_, _, done, info) = replay(env, task, env.expert(task))
             assert done and info["won"], task.task_id
     env.close()
+
+
+_THREADED_ROUNDS = """
+import sys
+from agentevo.envs import alfworld as aw
+from agentevo.rollout.workers import ThreadEnvPool
+
+params = dict(generated=True, cache_dir=sys.argv[1], n_dev=6)
+source = aw.ALFWorldEnv(**params)
+tasks = source.tasks("dev")[:3]
+experts = [source.expert(task) for task in tasks]
+for round_ in range(2):  # the second pool loads after the first closed: the load that segfaulted
+    pool = ThreadEnvPool("alfworld", params, size=len(tasks))
+    results = pool.map([(i, "reset", (task,)) for i, task in enumerate(tasks)])
+    assert not any(isinstance(r, Exception) for r in results), results
+    won = [False] * len(tasks)
+    for t in range(max(map(len, experts))):
+        calls = [(i, "step", (e[t],)) for i, e in enumerate(experts) if t < len(e)]
+        for (i, _, _), r in zip(calls, pool.map(calls)):
+            assert not isinstance(r, Exception), r
+            won[i] = bool(r[3]["won"])
+    pool.close()
+    print("round", round_, "won", sum(won), "of", len(tasks), flush=True)
+"""
+
+
+@needs_alfworld
+def test_thread_workers_survive_concurrent_steps_and_reopened_envs(gen_env: aw.ALFWorldEnv) -> None:
+    """Envs in a thread pool step concurrently, close, and a second pool loads again (a subprocess: the failure this
+    guards against was a segfault in dlopen after libdownward copies were dlclose-d, plus IndexErrors in steps)."""
+    cache = gen_env.root.parent.parent
+    proc = subprocess.run(
+        [sys.executable, "-c", _THREADED_ROUNDS, str(cache)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[:2] == ["round 0 won 3 of 3", "round 1 won 3 of 3"]
+
+
+def test_closed_runner_parks_its_env_for_reuse_and_a_crashed_one_is_dropped() -> None:
+    """close() never unloads libdownward (shared plugin registry): a healthy env is handed to the next runner with
+    the same settings; one closed after an exception is not."""
+    sentinel, broken = object(), object()
+    aw._IDLE_GYMS.clear()
+    try:
+        runner = aw._GameRunner(max_steps=7)
+        runner._gym = sentinel
+        runner.close()
+        assert runner._gym is None and aw._IDLE_GYMS == {(7, False, True): [sentinel]}
+        crashed = aw._GameRunner(max_steps=7)
+        crashed._gym = broken
+        crashed.close(reuse=False)
+        assert aw._IDLE_GYMS == {(7, False, True): [sentinel]}
+    finally:
+        aw._IDLE_GYMS.clear()
