@@ -64,9 +64,9 @@ _GOAL = re.compile(r"Your task is to: (.*)", re.DOTALL)
 _DEFAULT_ALFWORLD_DATA = os.path.expanduser("~/.cache/alfworld")
 
 # TextWorld is not thread-safe: pddl2sas swaps sys.argv / sys.stdout, fast-downward's translator keeps module-level
-# options, and steps of two instances in two threads raised IndexError inside TextWorld and then segfaulted in
-# dlopen. Every call into TextWorld (load, reset, step, plan, close) holds this lock; threads add no speed here anyway
-# (the work is Python under the GIL), so parallel ALFWorld rollouts use rollout.workers = process.
+# options, and steps of two instances in two threads raised IndexError inside TextWorld. Every call into TextWorld
+# (load, reset, step, plan, close) holds this lock; threads add no speed here anyway (the work is Python under the
+# GIL), so parallel ALFWorld rollouts use rollout.workers = process.
 _TW_LOCK = threading.RLock()
 
 
@@ -574,6 +574,6 @@ class ALFWorldEnv:
         return INSTRUCTION
 
     def close(self) -> None:
-        """Release the TextWorld env and its fast-downward library."""
+        """Release the TextWorld env (parked for reuse; see _GameRunner.close)."""
         self._runner.close()
         self._task = None
