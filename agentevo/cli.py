@@ -85,10 +85,27 @@ def cmd_eval(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, overrides, name=args.name, output_dir=args.output_dir)
     if not Path(args.model).exists():
         raise AgentevoError(f"model path {args.model!r} does not exist; give a checkpoint folder such as runs/NAME/checkpoints/bc")
+    if not (Path(args.model) / "config.json").exists():
+        inner = Path(args.model) / "model"
+        hint = f"; the model inside it is {inner}" if (inner / "config.json").exists() else ""
+        raise AgentevoError(f"{args.model!r} is not a model checkpoint (no config.json){hint}; "
+                            "give a checkpoint folder such as runs/NAME/checkpoints/bc")
+    if args.guide_history and not args.guide:
+        raise AgentevoError("--guide-history only applies to a guided evaluation: add --guide")
     cfg.method = "eval"
+    if args.guide and cfg.selfguide.guide == "none":
+        cfg.selfguide.guide = "infer_only"  # the checkpoint writes guides; the config's selfguide section says where
     run = Run.create(cfg, quiet=args.quiet)
+    label = Path(args.model).name
     try:
-        results = {"eval/" + Path(args.model).name: run.evaluate(run.rollout_policy(args.model), Path(args.model).name)}
+        policy = run.rollout_policy(args.model)
+        if args.guide:
+            from agentevo.algorithms.selfguide import evaluate_guided, guides_kept
+
+            keep = guides_kept(args.guide_history or "all", 1)
+            results = {"eval/" + label: run.phase("eval/" + label, lambda: evaluate_guided(run, policy, label, keep))}
+        else:
+            results = {"eval/" + label: run.phase("eval/" + label, lambda: run.evaluate(policy, label))}
     finally:
         run.close()
     _summary_table(run, results)
@@ -182,6 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--env", help="environment name")
     p.add_argument("--split", help="split to evaluate (train/dev/test)")
     p.add_argument("--n", type=int, help="number of tasks")
+    p.add_argument("--guide", action="store_true",
+                   help="Self-Guide checkpoint: it writes a guide before each action and the guide steers it "
+                        "(the config's selfguide section gives the guide position)")
+    p.add_argument("--guide-history", choices=["none", "last", "all"],
+                   help="with --guide: past guides kept in the prompt (default all)")
     common(p)
     p.set_defaults(fn=cmd_eval)
 

@@ -464,6 +464,7 @@ def evaluate_guided(run: Any, policy: Any, label: str, keep: int | None, pool: A
         for split in out:
             trajs = run.store.load(collection=eval_collection(label, split))
             out[split].update({f"eval_{k}": v for k, v in guide_stats(trajs, sg.guide_position, actor.mask_fn).items()})
+            out[split]["eval_guides_kept"] = -1 if keep is None else keep  # -1 = all past guides
     return out
 
 

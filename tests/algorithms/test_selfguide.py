@@ -227,7 +227,7 @@ def test_guide_stats_distribution_and_calibration(tiny_policy) -> None:  # noqa:
     assert stats["guide_tokens"] > 3
 
 
-def test_selfguide_recipe_one_update_end_to_end(tmp_path) -> None:  # noqa: ANN001
+def test_selfguide_recipe_one_update_end_to_end(tmp_path, capsys) -> None:  # noqa: ANN001
     import json
 
     from agentevo.algorithms.selfguide import run as selfguide_run
@@ -286,3 +286,23 @@ def test_selfguide_recipe_one_update_end_to_end(tmp_path) -> None:  # noqa: ANN0
                 selfguide_run(r)
         finally:
             r.close()
+
+    # `agentevo eval --guide` evaluates the same checkpoint with its guides at a chosen history retention.
+    from agentevo.cli import main
+
+    sets = [x for s in smoke + ["selfguide.guide_max_tokens=24"] for x in ("--set", s)]
+    ckpt = str(tmp_path / "s/checkpoints/update-1")
+    assert main(["eval", "--model", ckpt, "--guide", "--guide-history", "none", "--name", "ev", "--quiet",
+                 "--output-dir", str(tmp_path), *sets]) == 0
+    guided = json.loads((tmp_path / "ev/state.json").read_text())["eval/update-1"]["test"]
+    assert guided["n"] == 2 and guided["eval_guides_kept"] == 0 and "eval_verdict_good" in guided
+    assert main(["eval", "--model", ckpt, "--name", "ev-plain", "--quiet", "--output-dir", str(tmp_path), *sets]) == 0
+    plain = json.loads((tmp_path / "ev-plain/state.json").read_text())["eval/update-1"]["test"]
+    assert "eval_guides_kept" not in plain
+    capsys.readouterr()
+    assert main(["eval", "--model", ckpt, "--guide-history", "all", "--name", "ev-bad", "--output-dir", str(tmp_path),
+                 *sets]) == 2
+    assert "--guide-history only applies to a guided evaluation: add --guide" in capsys.readouterr().err
+    assert main(["eval", "--model", str(tmp_path / "s/checkpoints/latest"), "--name", "ev-bad", "--output-dir",
+                 str(tmp_path), *sets]) == 2
+    assert "is not a model checkpoint (no config.json); the model inside it is" in capsys.readouterr().err
