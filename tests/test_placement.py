@@ -61,3 +61,13 @@ def test_run_applies_the_config(tmp_path) -> None:  # noqa: ANN001
         assert (placement.device(), placement.dtype()) == (torch.device("cpu"), torch.bfloat16)
     finally:
         run.close()
+
+
+def test_a_folder_without_a_model_or_tokenizer_is_a_config_error(tiny_policy, tmp_path) -> None:  # noqa: ANN001
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="could not load a causal LM from .*empty"):
+        load_pretrained(tmp_path / "empty")
+    tiny_policy.save(tmp_path / "m")
+    (tmp_path / "m" / "tokenizer.json").unlink()  # weights without a tokenizer: transformers raises ValueError
+    with pytest.raises(ConfigError, match="could not load a causal LM from .*m'"):
+        load_pretrained(tmp_path / "m")

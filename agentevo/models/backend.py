@@ -201,7 +201,7 @@ def load_pretrained(path: str | Path, gguf_file: str | None = None) -> tuple[Any
     try:
         tokenizer = AutoTokenizer.from_pretrained(p, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32, **kwargs)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # missing files; a folder without a tokenizer raises ValueError
         raise ConfigError(f"could not load a causal LM from {str(p)!r}: {exc}") from exc
     if gguf_file:
         # A GGUF-loaded model refuses save_pretrained; rebuild it as a plain fp32 model with the same weights.
