@@ -85,11 +85,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, overrides, name=args.name, output_dir=args.output_dir)
     if not Path(args.model).exists():
         raise AgentevoError(f"model path {args.model!r} does not exist; give a checkpoint folder such as runs/NAME/checkpoints/bc")
-    if not (Path(args.model) / "config.json").exists():
-        inner = Path(args.model) / "model"
-        hint = f"; the model inside it is {inner}" if (inner / "config.json").exists() else ""
-        raise AgentevoError(f"{args.model!r} is not a model checkpoint (no config.json){hint}; "
-                            "give a checkpoint folder such as runs/NAME/checkpoints/bc")
+    from agentevo.models.backend import require_checkpoint
+
+    require_checkpoint(Path(args.model))  # before the eval run's folder is made
     if args.guide_history and not args.guide:
         raise AgentevoError("--guide-history only applies to a guided evaluation: add --guide")
     cfg.method = "eval"

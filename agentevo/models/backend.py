@@ -184,6 +184,16 @@ def save_pretrained_atomic(model: Any, tokenizer: Any, path: str | Path) -> Path
     return path
 
 
+def require_checkpoint(path: Path) -> None:
+    """Refuse a folder that is not a save_pretrained checkpoint (no config.json), naming the one inside it if any
+    (a run's `checkpoints/latest/` keeps its model in `latest/model/`)."""
+    if not (path / "config.json").exists():
+        inner = path / "model"
+        hint = f"; the model inside it is {inner}" if (inner / "config.json").exists() else ""
+        raise ConfigError(f"could not load a causal LM from {str(path)!r}: it is not a model checkpoint "
+                          f"(no config.json){hint}; give a checkpoint folder such as runs/NAME/checkpoints/bc")
+
+
 def load_pretrained(path: str | Path, gguf_file: str | None = None) -> tuple[Any, Any]:
     """Load a local causal LM and its tokenizer on this process's device and dtype (models/placement.py; fp32 on
     the CPU by default); GGUF files are dequantised and made saveable."""
@@ -198,6 +208,8 @@ def load_pretrained(path: str | Path, gguf_file: str | None = None) -> tuple[Any
     kwargs: dict[str, Any] = {"local_files_only": True}
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
+    else:
+        require_checkpoint(p)
     try:
         tokenizer = AutoTokenizer.from_pretrained(p, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32, **kwargs)
