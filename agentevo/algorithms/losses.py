@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
+    "LOGPROB_CHUNK_TOKENS",
     "LOSS_AGG_MODES",
     "aggregate",
     "append_tail_bucket",
@@ -48,13 +49,59 @@ _TAIL_LOG_MASS_MAX = -1e-7
 # Token log-probs and aggregation
 
 
-def token_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:
+# Rows of [tokens, V] turned into float32 at a time by token_logprobs: bounds its extra memory to CHUNK x V floats.
+LOGPROB_CHUNK_TOKENS = 1024
+
+
+class _SelectedLogprob(torch.autograd.Function):
+    """log p(target) from logits [N, V] in float32, chunk by chunk; backward recomputes softmax per chunk.
+
+    Saves only the logits (in their own dtype), the targets and the per-row logsumexp, so neither pass holds an
+    [N, V] float32 tensor (the plain path's fp32 cast and softmax are N x V floats each).
+    """
+
+    @staticmethod
+    def forward(ctx: object, logits: Tensor, targets: Tensor, chunk: int) -> Tensor:  # type: ignore[override]
+        n = logits.shape[0]
+        out = torch.empty(n, dtype=torch.float32, device=logits.device)
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        for s in range(0, n, chunk):
+            z = logits[s : s + chunk].float()
+            lse[s : s + chunk] = torch.logsumexp(z, dim=-1)
+            out[s : s + chunk] = z.gather(-1, targets[s : s + chunk, None]).squeeze(-1) - lse[s : s + chunk]
+        ctx.save_for_backward(logits, targets, lse)  # type: ignore[attr-defined]
+        ctx.chunk = chunk  # type: ignore[attr-defined]
+        return out
+
+    @staticmethod
+    def backward(ctx: object, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        logits, targets, lse = ctx.saved_tensors  # type: ignore[attr-defined]
+        chunk = ctx.chunk  # type: ignore[attr-defined]
+        grad_logits = torch.empty_like(logits)
+        grad = grad.float()
+        for s in range(0, logits.shape[0], chunk):
+            g = grad[s : s + chunk, None]
+            # d/dz [z_t - logsumexp(z)] = onehot(t) - softmax(z)
+            gz = torch.exp(logits[s : s + chunk].float() - lse[s : s + chunk, None]).mul_(-g)
+            gz.scatter_add_(-1, targets[s : s + chunk, None], g)
+            grad_logits[s : s + chunk] = gz.to(logits.dtype)
+        return grad_logits, None, None
+
+
+def token_logprobs(logits: Tensor, input_ids: Tensor, chunk_tokens: int = LOGPROB_CHUNK_TOKENS) -> Tensor:
     """Log-prob of each next token: out[:, j] = log p(input_ids[:, j+1] | input_ids[:, :j+1]), shape [B, L−1]."""
     # Alignment [S §1.3]: logits[:, :-1] predict input_ids[:, 1:], so column j belongs to token position j+1;
-    # mask the result with action_mask[:, 1:]. Computed in float32 via gather − logsumexp (no full log_softmax).
-    z = logits[:, :-1].float()
-    picked = z.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(z, dim=-1)
+    # mask the result with action_mask[:, 1:]. float32 values, computed chunk_tokens positions at a time (gather −
+    # logsumexp, no full log_softmax), so memory does not grow with L x V in float32 (a 151,936-token vocabulary at
+    # 4 x 8K tokens would be ~20 GB for the cast alone).
+    b, length, vocab = logits.shape
+    if length < 2:
+        return logits.new_zeros((b, 0), dtype=torch.float32)
+    rows = [
+        _SelectedLogprob.apply(logits[i, :-1], input_ids[i, 1:], max(1, chunk_tokens))  # a contiguous view per row
+        for i in range(b)
+    ]
+    return torch.stack(rows)
 
 
 def token_entropy(logits: Tensor) -> Tensor:

@@ -56,6 +56,38 @@ def test_token_logprobs_bf16_in_float32_out() -> None:
     assert_close(out, ref)
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 7, 1024])
+def test_token_logprobs_chunked_equals_plain_values_and_gradients(chunk: int) -> None:
+    # the chunked custom backward (onehot - softmax per chunk) against autograd through log_softmax, in float64
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 6, 13, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, 13, (3, 6), generator=g)
+    weights = torch.randn(3, 5, generator=g, dtype=torch.float64)
+    a = logits.clone().requires_grad_(True)
+    b = logits.clone().requires_grad_(True)
+    plain = torch.log_softmax(a[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    chunked = token_logprobs(b, ids, chunk_tokens=chunk)
+    assert_close(chunked.double(), plain, atol=1e-6, rtol=1e-6)
+    (plain * weights).sum().backward()
+    (chunked.double() * weights).sum().backward()
+    assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-6)
+    assert b.grad[:, -1].abs().sum() == 0  # the last position predicts nothing
+
+
+def test_token_logprobs_gradient_keeps_the_logits_dtype() -> None:
+    logits = torch.randn(2, 4, 9).bfloat16().requires_grad_(True)
+    ids = torch.randint(0, 9, (2, 4))
+    token_logprobs(logits, ids, chunk_tokens=2).sum().backward()
+    assert logits.grad is not None and logits.grad.dtype == torch.bfloat16
+    # each position's gradient row sums to 0 (onehot - softmax), up to bf16 rounding
+    assert logits.grad.float()[:, :-1].sum(-1).abs().max() < 2e-2
+
+
+def test_token_logprobs_single_position_is_empty() -> None:
+    out = token_logprobs(torch.randn(2, 1, 5), torch.zeros(2, 1, dtype=torch.long))
+    assert out.shape == (2, 0) and out.dtype == torch.float32
+
+
 def test_token_entropy() -> None:
     uniform = torch.zeros(2, 3, 8)
     assert_close(token_entropy(uniform), torch.full((2, 3), math.log(8)))

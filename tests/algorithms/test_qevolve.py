@@ -301,8 +301,9 @@ def test_critic_init_choices(tiny_policy, tmp_path) -> None:  # noqa: ANN001
         prev.v_head[0].weight.add_(1.0)
     save_critic(prev, tmp_path / "round-1-critic", tiny_policy.tokenizer)
     again = qevolve.build_critic(run, 2, policy, "prev_critic")
-    assert torch.equal(again.v_head[0].weight, prev.v_head[0].weight)
-    assert all(torch.equal(a, b) for a, b in zip(again.lm.parameters(), prev.lm.parameters(), strict=True))
+    # compared on the CPU: on a GPU machine the reloaded critic lives on the GPU, the saved one may not
+    assert torch.equal(again.v_head[0].weight.cpu(), prev.v_head[0].weight.cpu())
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(again.lm.parameters(), prev.lm.parameters(), strict=True))
 
 
 # -- end to end ------------------------------------------------------------------------------------------------------
@@ -370,23 +371,23 @@ def test_lora_policy_rounds_share_the_bc_base(tiny_policy, tmp_path) -> None:  #
     try:
         tiny_policy.save(run.checkpoint_dir("bc"))
         ids = torch.tensor([tiny_policy.renderer.encode_reply("Action: take knife")])
-        with torch.no_grad():
-            base = tiny_policy.model(input_ids=ids).logits
+        with torch.no_grad():  # logits compared on the CPU, wherever each model was placed
+            base = tiny_policy.model(input_ids=ids.to(tiny_policy.model.device)).logits.cpu()
         pi0 = qevolve.load_round_policy(run, 0)  # fresh adapter: the same function as pi_BC
         with torch.no_grad():
-            assert torch.allclose(pi0.model(input_ids=ids).logits, base, atol=1e-5)
+            assert torch.allclose(pi0.model(input_ids=ids.to(pi0.model.device)).logits.cpu(), base, atol=1e-5)
             for name, p in pi0.model.named_parameters():
                 if "lora_B" in name:
                     p.normal_(0, 0.5)
-            moved = pi0.model(input_ids=ids).logits
+            moved = pi0.model(input_ids=ids.to(pi0.model.device)).logits.cpu()
             with pi0.model.disable_adapter():  # the reference pi_BC
-                assert torch.allclose(pi0.model(input_ids=ids).logits, base, atol=1e-5)
+                assert torch.allclose(pi0.model(input_ids=ids.to(pi0.model.device)).logits.cpu(), base, atol=1e-5)
         assert not torch.allclose(moved, base, atol=1e-3)
         pi0.save(run.checkpoint_dir("round-1"))
         assert (run.checkpoint_dir("round-1") / "adapter_config.json").exists()
         pi1 = qevolve.load_round_policy(run, 1)
         with torch.no_grad():
-            assert torch.allclose(pi1.model(input_ids=ids).logits, moved, atol=1e-5)
+            assert torch.allclose(pi1.model(input_ids=ids.to(pi1.model.device)).logits.cpu(), moved, atol=1e-5)
         assert any(p.requires_grad for n, p in pi1.model.named_parameters() if "lora_" in n)
         assert not any(p.requires_grad for n, p in pi1.model.named_parameters() if "lora_" not in n)
     finally:
