@@ -21,7 +21,7 @@ $(VENV)/.installed-base: pyproject.toml | $(PY)
 
 # alfworld builds fast-downward from source with `python` taken from PATH: put the venv first
 $(VENV)/.installed-test: $(VENV)/.installed-base
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(PIP) install -q -c $(PIN) -e ".[twx,scienceworld,alfworld,dev]"
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PIP) install -q -c $(PIN) -e ".[twx,scienceworld,alfworld,dev,ray,tensorboard,export]"
 	touch $@
 
 check-java:
@@ -52,8 +52,12 @@ test-slow: check-java install-test models
 lint: install-test
 	$(VENV)/bin/ruff check agentevo tests bench
 
+## Every CPU bench in one go (bench_vllm needs a GPU: run it by hand). Each prints its own ratios; docs/benchmarks.md.
+BENCHES := bench_rollout bench_logprobs bench_methods bench_qevolve bench_grpo bench_rsd bench_text_envs \
+	bench_scienceworld bench_alfworld
 bench: install-test
-	OMP_NUM_THREADS=1 $(PY) bench/bench_rollout.py
+	@$(PY) -c "import sys; sys.path.insert(0, 'bench'); from benchlib import cpu_line; print(cpu_line())"
+	@set -e; for b in $(BENCHES); do echo "== $$b"; OMP_NUM_THREADS=1 $(PY) bench/$$b.py; done
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

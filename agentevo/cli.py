@@ -62,13 +62,50 @@ def cmd_train(args: argparse.Namespace) -> int:
     from agentevo.run import Run
 
     cfg = load_config(args.config, args.set, method=args.method, name=args.name, output_dir=args.output_dir)
-    return _run_recipe(Run.create(cfg, quiet=args.quiet))
+    run = Run.create(cfg, quiet=args.quiet, overwrite=args.overwrite)
+    _set_interrupt_hint(f"continue with `agentevo resume {run.dir}`")
+    return _run_recipe(run)
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
     from agentevo.run import Run
 
-    return _run_recipe(Run.open(args.run_dir, quiet=args.quiet))
+    run = Run.open(args.run_dir, quiet=args.quiet)
+    _set_interrupt_hint(f"continue with `agentevo resume {run.dir}`")
+    return _run_recipe(run)
+
+
+# What main() says after Ctrl-C: set once the command has made its run folder.
+_INTERRUPT_HINT: str | None = None
+
+
+def _set_interrupt_hint(hint: str | None) -> None:
+    global _INTERRUPT_HINT
+    _INTERRUPT_HINT = hint
+
+
+def _checkpoint_env_warning(model: Path, cfg: Any) -> str | None:
+    """A warning when the checkpoint's own run (runs/X/checkpoints/Y -> runs/X/config.yaml) used other env
+    settings than this evaluation: its score would be on games it was not trained for."""
+    import yaml
+
+    source = model.resolve().parent.parent
+    if model.resolve().parent.name != "checkpoints" or not (source / "config.yaml").exists():
+        return None
+    try:
+        theirs = (yaml.safe_load((source / "config.yaml").read_text()) or {}).get("env") or {}
+    except (yaml.YAMLError, AttributeError):
+        return None
+    if theirs.get("name", cfg.env.name) != cfg.env.name:
+        return (f"{model} was trained on {theirs.get('name')} (in {source}) but this evaluation plays "
+                f"{cfg.env.name}; evaluate with its settings, e.g. -c {source / 'config.yaml'}")
+    ours, params = cfg.env.params, theirs.get("params") or {}
+    differ = sorted(k for k in set(ours) | set(params) if ours.get(k) != params.get(k))
+    if not differ:
+        return None
+    return (f"{model} was trained (in {source}) with other {cfg.env.name} settings: env.params "
+            f"{', '.join(differ)} differ(s), so these are not its games; evaluate with its settings, "
+            f"e.g. -c {source / 'config.yaml'}")
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -83,6 +120,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.split:
         overrides.append(f"eval.splits=[{args.split}]")
     cfg = load_config(args.config, overrides, name=args.name, output_dir=args.output_dir)
+    if args.name is not None:
+        from agentevo.run import check_run_name
+
+        check_run_name(args.name, cfg.output_dir)
     if not Path(args.model).exists():
         raise AgentevoError(f"model path {args.model!r} does not exist; give a checkpoint folder such as runs/NAME/checkpoints/bc")
     from agentevo.models.backend import require_checkpoint
@@ -91,10 +132,22 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.guide_history and not args.guide:
         raise AgentevoError("--guide-history only applies to a guided evaluation: add --guide")
     cfg.method = "eval"
+    cfg.name = args.name  # an eval run is named by --name only: a config's name is the training run's folder
     if args.guide and cfg.selfguide.guide == "none":
         cfg.selfguide.guide = "infer_only"  # the checkpoint writes guides; the config's selfguide section says where
+    from agentevo.config import config_to_dict
+    from agentevo.eval.metrics import eval_label
+
+    # cached evaluations are found by everything that decides them, never by the checkpoint folder's name alone
+    settings = {"env": config_to_dict(cfg.env), "eval": config_to_dict(cfg.eval), "agent": config_to_dict(cfg.agent),
+                "backend": cfg.model.backend,
+                "guide": [args.guide_history or "all", config_to_dict(cfg.selfguide)] if args.guide else None}
     run = Run.create(cfg, quiet=args.quiet)
-    label = Path(args.model).name
+    _set_interrupt_hint(f"run the same `agentevo eval ... --name {cfg.name}` again to continue")
+    label = eval_label(Path(args.model), settings)
+    warning = _checkpoint_env_warning(Path(args.model), cfg)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
     try:
         policy = run.rollout_policy(args.model)
         if args.guide:
@@ -128,16 +181,23 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     from agentevo.eval.compare import compare
 
-    path, table = compare([Path(d) for d in args.run_dirs], args.split, Path(args.out), args.metric)
-    print(table)
-    print(path)
+    result = compare([Path(d) for d in args.run_dirs], args.split, Path(args.out), args.metric, args.baseline)
+    for warning in result.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    print(result.table)
+    if result.paired_table:
+        print(f"\npaired differences vs {result.baseline} (arm - baseline, points; 95% bootstrap interval over tasks; "
+              f"exact sign-test p; see {result.path.name}):\n{result.paired_table}\n")
+        print("\n".join(result.sentences))
+    print(result.path)
     return 0
 
 
 def cmd_envs(args: argparse.Namespace) -> int:
-    from agentevo.envs import ENVIRONMENTS, make_env
+    from agentevo.envs import ENVIRONMENTS, load_plugins, make_env
 
     if args.action == "list":
+        load_plugins()  # installed `agentevo.envs` entry points are listed too
         for name, (_, _, text) in sorted(ENVIRONMENTS.items()):
             print(f"{name:18s} {text}")
         return 0
@@ -155,7 +215,14 @@ def cmd_envs(args: argparse.Namespace) -> int:
         obs, info = env.reset(task)
         print(f"[{task.task_id}] (type 'quit' to stop, 'expert' to see the gold sequence)\n{obs}")
         for _ in range(task.max_steps):
-            action = input("> ").strip()
+            try:
+                action = input("> ").strip()
+            except EOFError:  # end of input (Ctrl-D, a finished pipe): stop as 'quit' does
+                print()
+                break
+            except KeyboardInterrupt:
+                print("\nstopped")
+                return 130
             if action == "quit":
                 break
             if action == "expert":
@@ -173,6 +240,25 @@ def cmd_envs(args: argparse.Namespace) -> int:
         env.close()
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from agentevo.data.export import KINDS, export_run
+
+    run_dir = Path(args.run_dir)
+    out = Path(args.out) if args.out else run_dir / "export"
+    for kind, n, path in export_run(run_dir, args.format, args.kind or list(KINDS), args.collection or None, out):
+        print(f"{kind:18s} {n:7d} rows  {path if path else '(nothing to write)'}")
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from agentevo.data.export import import_file
+
+    counts = import_file(Path(args.file), Path(args.into), args.collection, args.source, args.drop_ids)
+    added = ", ".join(f"{c}: {n}" for c, n in counts.items()) or "nothing new"
+    print(f"imported {sum(counts.values())} trajectories into {args.into} ({added})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the `agentevo` command."""
     parser = argparse.ArgumentParser(prog="agentevo", description="Self-evolving LLM agents")
@@ -187,9 +273,16 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--output-dir", help="where run folders go (default runs/)")
         p.add_argument("--quiet", action="store_true", help="no progress bars")
 
-    p = sub.add_parser("train", help="run a recipe end to end")
-    p.add_argument("method", nargs="?", help="recipe name (default: from config, else bc)")
+    from agentevo.recipes import RECIPES  # a plain name table: importing it loads no recipe
+
+    recipes = ", ".join(RECIPES)
+    p = sub.add_parser("train", help="run a recipe end to end", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog=f"recipes: {recipes}\n\nexample: agentevo train qevolve --config "
+                              "configs/qevolve_alfworld.yaml --set seed=1 --name qe-alfworld-s1")
+    p.add_argument("method", nargs="?", help=f"recipe name, one of: {recipes} (default: from config, else bc)")
     common(p)
+    p.add_argument("--overwrite", action="store_true",
+                   help="start over in an existing run folder of that --name (its contents are deleted)")
     p.set_defaults(fn=cmd_train)
 
     p = sub.add_parser("eval", help="evaluate a checkpoint on fixed splits (greedy)")
@@ -214,13 +307,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.set_defaults(fn=cmd_report)
 
-    p = sub.add_parser("compare", help="success of several runs, mean ± sd over seeds (names ending -sN group)")
+    p = sub.add_parser("compare", help="success of several runs per seed, mean ± sd, and paired differences vs a "
+                                       "baseline (names ending -sN group into arms)")
     p.add_argument("run_dirs", nargs="+")
+    p.add_argument("--baseline", metavar="ARM",
+                   help="arm the others are compared with, by name without -sN (default: the first arm)")
     p.add_argument("--split", default="test")
     p.add_argument("--out", default="runs/compare", help="folder for compare.md and compare.png")
     p.add_argument("--metric", default="success", choices=list(METRICS),
                    help="success rate, or average final reward (ScienceWorld's published metric: the final score)")
     p.set_defaults(fn=cmd_compare)
+
+    p = sub.add_parser("export", help="a run's trajectories as TRL-style datasets (messages, prompt/completion, "
+                                      "preference pairs, steps); see docs/data.md")
+    p.add_argument("run_dir")
+    p.add_argument("--format", choices=["parquet", "jsonl"], default="parquet",
+                   help="parquet needs the export extra (pyarrow); jsonl needs nothing")
+    p.add_argument("--kind", action="append", choices=["messages", "prompt_completion", "preference", "steps"],
+                   help="which rows (repeatable; default all four)")
+    p.add_argument("--collection", action="append", help="only these collections (repeatable; default all)")
+    p.add_argument("--out", help="output folder (default RUN_DIR/export)")
+    p.set_defaults(fn=cmd_export)
+
+    p = sub.add_parser("import", help="trajectories from a file (our steps/trajectory export, or the plain format "
+                                      "of docs/data.md) into a run's store")
+    p.add_argument("file", help=".jsonl or .parquet file")
+    p.add_argument("--into", required=True, help="run folder, runs/NAME (made if new)")
+    p.add_argument("--collection", help="put every trajectory here (default: the collection each one names, "
+                                        "else 'expert', the demos every method's warm start trains on)")
+    p.add_argument("--source", help="set every trajectory's source (expert, self, ...)")
+    p.add_argument("--drop-ids", action="store_true",
+                   help="store replies as text only (token ids and log-probs dropped): needed when the target run's "
+                        "tokenizer differs from the one that produced them, e.g. between two tiny-model runs")
+    p.set_defaults(fn=cmd_import)
 
     p = sub.add_parser("envs", help="list, show or play environments")
     p.add_argument("action", choices=["list", "show", "play"])
@@ -235,13 +354,14 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; user errors print one line and exit with status 2."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    _set_interrupt_hint(None)
     try:
         return int(args.fn(args))
     except AgentevoError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted; continue with `agentevo resume runs/NAME`", file=sys.stderr)
+        print(f"interrupted; {_INTERRUPT_HINT}" if _INTERRUPT_HINT else "interrupted", file=sys.stderr)
         return 130
 
 

@@ -18,6 +18,7 @@ from agentevo.algorithms.rsd_config import RSDConfig
 from agentevo.errors import ConfigError
 from agentevo.models.http_backend import HTTPConfig
 from agentevo.models.vllm_backend import VLLMConfig
+from agentevo.options import check_fields
 from agentevo.options import option as _help
 
 BACKENDS = ("transformers", "vllm", "http")
@@ -30,9 +31,9 @@ class EnvConfig:
 
     name: str = _help("environment name (see `agentevo envs list`)", "twx-cookingworld")
     params: dict[str, Any] = _help("constructor parameters of the environment", factory=dict)
-    n_train: int | None = _help("training tasks (first n of the fixed train list; null = all)", 200)
-    n_dev: int | None = _help("validation tasks (first n of the fixed dev list)", 50)
-    n_test: int | None = _help("held-out test tasks (first n of the fixed test list)", 100)
+    n_train: int | None = _help("training tasks (first n of the fixed train list; null = all)", 200, ge=1)
+    n_dev: int | None = _help("validation tasks (first n of the fixed dev list)", 50, ge=1)
+    n_test: int | None = _help("held-out test tasks (first n of the fixed test list)", 100, ge=1)
 
     def validate(self) -> None:
         from agentevo.envs import ENVIRONMENTS
@@ -41,22 +42,47 @@ class EnvConfig:
             raise ConfigError(
                 f"env.name: unknown environment {self.name!r}; choose one of: {', '.join(sorted(ENVIRONMENTS))}"
             )
-        for key in ("n_train", "n_dev", "n_test"):
-            value = getattr(self, key)
-            if value is not None and value < 1:
-                raise ConfigError(f"env.{key} must be >= 1 or null (got {value})")
+        self._check_params()
+
+    def _check_params(self) -> None:
+        """Unknown env.params keys fail here, before a run folder exists (factories taking **kwargs accept any)."""
+        import importlib
+        import inspect
+
+        from agentevo import envs
+
+        factory = getattr(envs, "_FACTORIES", {}).get(self.name)  # register()ed factories, when there are any
+        if factory is None:
+            module_name, target, _ = envs.ENVIRONMENTS[self.name]
+            try:
+                factory = getattr(importlib.import_module(module_name), target)
+            except (ImportError, AttributeError):
+                return  # make_env names the missing module or extra when the environment is built
+        try:
+            params = list(inspect.signature(factory).parameters.values())
+        except (TypeError, ValueError):
+            return  # no introspectable signature: make_env is the judge
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            return
+        accepted = [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        unknown = sorted(str(k) for k in self.params if k not in accepted)
+        if unknown:
+            raise ConfigError(
+                f"environment {self.name!r} has no parameter {unknown[0]!r} (check env.params in your config); "
+                f"its parameters are: {', '.join(accepted) or 'none'}"
+            )
 
 
 @dataclass
 class TinyModelConfig:
     """The embedded default: a small Llama-style model with a tokenizer trained on environment text."""
 
-    hidden_size: int = _help("hidden size", 256)
-    num_layers: int = _help("transformer layers", 4)
-    num_heads: int = _help("attention heads", 4)
-    intermediate_size: int = _help("MLP width", 768)
-    vocab_size: int = _help("BPE vocabulary size trained on environment text (upper bound)", 2048)
-    max_positions: int = _help("maximum context length in tokens", 2048)
+    hidden_size: int = _help("hidden size", 256, ge=1)
+    num_layers: int = _help("transformer layers", 4, ge=1)
+    num_heads: int = _help("attention heads", 4, ge=1)
+    intermediate_size: int = _help("MLP width", 768, ge=1)
+    vocab_size: int = _help("BPE vocabulary size trained on environment text (upper bound)", 2048, ge=1)
+    max_positions: int = _help("maximum context length in tokens", 2048, ge=16)
 
 
 @dataclass
@@ -64,9 +90,9 @@ class LoraConfig:
     """LoRA adapters via peft (used when enabled)."""
 
     enabled: bool = _help("train LoRA adapters instead of all weights", False)
-    r: int = _help("LoRA rank", 16)
-    alpha: int = _help("LoRA alpha", 32)
-    dropout: float = _help("LoRA dropout", 0.0)
+    r: int = _help("LoRA rank", 16, ge=1)
+    alpha: int = _help("LoRA alpha", 32, gt=0)
+    dropout: float = _help("LoRA dropout", 0.0, ge=0, lt=1)
     target_modules: list[str] = _help(
         "module names to adapt", factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
@@ -76,15 +102,22 @@ class LoraConfig:
 class ModelConfig:
     """The policy model: the embedded tiny model, or any local transformers causal LM (GGUF included)."""
 
-    path: str | None = _help("local model folder (save_pretrained layout) or GGUF folder; null = build the tiny model", None)
+    path: str | None = _help("local model folder (save_pretrained layout) or GGUF folder, or a hub id (org/name) found "
+                             "offline in the local Hugging Face cache; null = build the tiny model", None)
     gguf_file: str | None = _help("GGUF file name inside `path`", None)
     tiny: TinyModelConfig = _help("tiny-model shape (used when path is null)", factory=TinyModelConfig)
     lora: LoraConfig = _help("LoRA settings", factory=LoraConfig)
-    torch_threads: int | None = _help("torch threads (null = idle cores, at least 1)", None)
+    torch_threads: int | None = _help("torch threads (null = idle cores, at least 1)", None, ge=1)
     device: str = _help("where this process's models live: auto (its GPU, cuda:LOCAL_RANK, when torch sees one, "
                         "else the CPU), cpu, cuda or cuda:N", "auto")
     dtype: str = _help("weights of loaded models: float32, bfloat16 or float16 (bf16/fp16 train in that precision; "
-                       "for mixed precision keep float32 and set accelerate's mixed_precision)", "float32")
+                       "for mixed precision keep float32 and set accelerate's mixed_precision), or auto: float32 "
+                       "weights with bf16 autocast in training forwards and generation where the GPU or CPU has bf16 "
+                       "(AMX-BF16 / AVX512-BF16), plain float32 elsewhere", "float32")
+    attn_implementation: str | None = _help("attention kernel passed to transformers: eager, sdpa or "
+                                            "flash_attention_2 (null = transformers' default)", None)
+    chat_template: str | None = _help("a Jinja file that replaces the tokenizer's chat template (null = the "
+                                      "tokenizer's own)", None)
     backend: str = _help("what generates rollouts and evaluations: transformers (in this process), vllm (a vLLM "
                          "engine on this machine's GPUs) or http (an OpenAI-compatible server); training always "
                          "uses transformers", "transformers")
@@ -100,14 +133,13 @@ class ModelConfig:
 
         placement.resolve_device(self.device)
         placement.resolve_dtype(self.dtype)
+        placement.check_attn_implementation(self.attn_implementation)
+        if self.chat_template is not None:
+            from agentevo.agent.chat import load_chat_template
+
+            load_chat_template(self.chat_template)
         if self.path is not None:
-            p = Path(self.path).expanduser()
-            if not p.exists():
-                raise ConfigError(
-                    f"model.path {self.path!r} does not exist; give a local model folder "
-                    "(a transformers save_pretrained directory, or a folder holding a GGUF file with model.gguf_file) "
-                    "or set model.path to null for the embedded tiny model"
-                )
+            p = placement.resolve_model_path(self.path)  # a local folder, or a hub id in the local HF cache
             if self.gguf_file is not None and not (p / self.gguf_file).exists():
                 raise ConfigError(f"model.gguf_file {self.gguf_file!r} is not in {self.path!r}")
         if self.tiny.hidden_size % self.tiny.num_heads:
@@ -118,15 +150,11 @@ class ModelConfig:
 class AgentConfig:
     """How prompts are built and how replies are parsed."""
 
-    history_window: int = _help("past (action, observation) turns kept in the prompt", 3)
-    max_new_tokens: int = _help("token budget of one reply", 48)
+    history_window: int = _help("past (action, observation) turns kept in the prompt", 3, ge=0)
+    max_new_tokens: int = _help("token budget of one reply", 48, ge=1)
     thoughts: str = _help("thought text in expert demos: 'template' (short, derived from the action) or 'none'", "template")
 
     def validate(self) -> None:
-        if self.history_window < 0:
-            raise ConfigError(f"agent.history_window must be >= 0 (got {self.history_window})")
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"agent.max_new_tokens must be >= 1 (got {self.max_new_tokens})")
         if self.thoughts not in ("template", "none"):
             raise ConfigError(f"agent.thoughts must be 'template' or 'none' (got {self.thoughts!r})")
 
@@ -135,61 +163,51 @@ class AgentConfig:
 class RolloutConfig:
     """The batched rollout engine."""
 
-    n_parallel: int = _help("environments stepped at once (generation is batched across them)", 16)
-    batch_size: int = _help("largest generation batch", 16)
+    n_parallel: int = _help("environments stepped at once (generation is batched across them)", 16, ge=1)
+    batch_size: int = _help("largest generation batch", 16, ge=1)
     prefix_cache: int = _help("finished sequences whose keys/values the transformers backend keeps so the next turn "
-                              "of an episode only runs its new tokens (0 = off)", 64)
-    prefix_cache_gb: float = _help("memory bound of those keys/values (GiB)", 4.0)
+                              "of an episode only runs its new tokens (0 = off)", 64, ge=0)
+    prefix_cache_gb: float = _help("memory bound of those keys/values (GiB)", 4.0, gt=0)
     workers: str = _help("environment workers: 'thread', 'process' or 'ray' (Ray actors; RAY_ADDRESS names the "
                          "cluster, else a local Ray is started)", "thread")
-    temperature: float = _help("sampling temperature for collection (evaluation is greedy)", 0.7)
-    top_p: float = _help("nucleus sampling for collection", 1.0)
-    max_retries: int = _help("retries of an episode whose environment process died", 3)
+    temperature: float = _help("sampling temperature for collection (evaluation is greedy)", 0.7, ge=0)
+    top_p: float = _help("nucleus sampling for collection", 1.0, gt=0, le=1)
+    max_retries: int = _help("retries of an episode whose environment crashed or hung (past them it is stored as an errored episode)", 3, ge=0)
+    step_timeout_s: float | None = _help("seconds one env reset/step may take before the env counts as hung: it is "
+                                         "killed, a fresh one made and the episode retried (null = no limit)",
+                                         120.0, gt=0)
 
     def validate(self) -> None:
         if self.workers not in WORKERS:
             raise ConfigError(f"rollout.workers must be one of {', '.join(WORKERS)} (got {self.workers!r})")
-        if self.n_parallel < 1 or self.batch_size < 1:
-            raise ConfigError("rollout.n_parallel and rollout.batch_size must be >= 1")
-        if self.prefix_cache_gb <= 0:
-            raise ConfigError(f"rollout.prefix_cache_gb must be > 0 (got {self.prefix_cache_gb})")
-        if self.prefix_cache < 0:
-            raise ConfigError(f"rollout.prefix_cache must be >= 0 (0 turns it off; got {self.prefix_cache})")
-        if self.temperature < 0:
-            raise ConfigError(f"rollout.temperature must be >= 0 (got {self.temperature})")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"rollout.top_p must be in (0, 1] (got {self.top_p})")
 
 
 @dataclass
 class OptimConfig:
     """AdamW with warmup + cosine, gradient accumulation and clipping."""
 
-    lr: float = _help("peak learning rate", 1e-3)
-    epochs: float = _help("passes over the training samples", 3.0)
-    batch_size: int = _help("samples per optimiser step (micro_batch_size x accumulation)", 32)
-    micro_batch_size: int = _help("samples per forward/backward", 16)
-    warmup_ratio: float = _help("fraction of steps with linear warmup", 0.03)
-    weight_decay: float = _help("AdamW weight decay", 0.0)
-    betas: tuple[float, float] = _help("AdamW betas", (0.9, 0.95))
-    grad_clip: float = _help("gradient-norm clip (0 = off)", 1.0)
-    save_every: int = _help("optimiser steps between resumable mid-training checkpoints (0 = only at the end)", 200)
-    max_length: int = _help("samples longer than this (tokens) are left-truncated inside the history", 1024)
+    lr: float = _help("peak learning rate", 1e-3, gt=0)
+    epochs: float = _help("passes over the training samples", 3.0, gt=0)
+    batch_size: int = _help("samples per optimiser step (micro_batch_size x accumulation)", 32, ge=1)
+    micro_batch_size: int = _help("samples per forward/backward", 16, ge=1)
+    warmup_ratio: float = _help("fraction of steps with linear warmup", 0.03, ge=0, lt=1)
+    weight_decay: float = _help("AdamW weight decay", 0.0, ge=0)
+    betas: tuple[float, float] = _help("AdamW betas: two numbers in [0, 1)", (0.9, 0.95), ge=0, lt=1)
+    grad_clip: float = _help("gradient-norm clip (0 = off)", 1.0, ge=0)
+    save_every: int = _help("optimiser steps between resumable mid-training checkpoints (0 = only at the end)", 200,
+                            ge=0)
+    max_length: int = _help("samples longer than this (tokens) are left-truncated inside the history", 1024, ge=1)
+    gradient_checkpointing: bool = _help("recompute activations in the backward pass instead of keeping them "
+                                         "(less memory for long rows / large models, ~30% more compute)", False)
 
     def validate(self) -> None:
-        if self.lr <= 0:
-            raise ConfigError(f"optim.lr must be > 0 (got {self.lr})")
-        if self.epochs <= 0:
-            raise ConfigError(f"optim.epochs must be > 0 (got {self.epochs})")
-        if self.micro_batch_size < 1 or self.batch_size < self.micro_batch_size:
+        if self.batch_size < self.micro_batch_size:
             raise ConfigError("optim.batch_size must be >= optim.micro_batch_size >= 1")
         if self.batch_size % self.micro_batch_size:
             raise ConfigError(
                 f"optim.batch_size ({self.batch_size}) must be a multiple of optim.micro_batch_size "
                 f"({self.micro_batch_size})"
             )
-        if not 0 <= self.warmup_ratio < 1:
-            raise ConfigError(f"optim.warmup_ratio must be in [0, 1) (got {self.warmup_ratio})")
 
 
 @dataclass
@@ -197,9 +215,11 @@ class EvalConfig:
     """The evaluation protocol: greedy decoding on fixed splits."""
 
     splits: list[str] = _help("splits to evaluate on", factory=lambda: ["test"])
-    n_tasks: int | None = _help("tasks per split (first n of the fixed list; null = env.n_<split>)", None)
+    n_tasks: int | None = _help("tasks per split (first n of the fixed list; null = env.n_<split>)", None, ge=1)
 
     def validate(self) -> None:
+        if not self.splits:
+            raise ConfigError("eval.splits must name at least one of train, dev, test (got [])")
         for split in self.splits:
             if split not in ("train", "dev", "test"):
                 raise ConfigError(f"eval.splits: unknown split {split!r}; use train, dev or test")
@@ -209,10 +229,28 @@ class EvalConfig:
 class BCConfig:
     """Behaviour cloning on expert demos."""
 
-    n_expert: int | None = _help("expert demos (one per training task, first n tasks; null = every training task the env keeps, i.e. env.n_train, which ScienceWorld and ALFWorld apply per task type)", None)
+    n_expert: int | None = _help("expert demos (one per training task, first n tasks; null = every training task the env keeps, i.e. env.n_train, which ScienceWorld and ALFWorld apply per task type)", None, ge=1)
     warm_start_from: str | None = _help(
         "an earlier run folder whose expert demos, init/bc checkpoints and their evaluations this run starts from "
         "(same env and agent settings; lets every method of a study share one BC model)", None)
+
+
+@dataclass
+class TrackingConfig:
+    """Experiment trackers that get a copy of every metric (metrics.jsonl stays what `report` and `compare` read)."""
+
+    report_to: list[str] = _help("trackers besides metrics.jsonl, several at once: tensorboard, wandb, trackio, "
+                                 "mlflow; [] or [none] = metrics.jsonl only (e.g. --set "
+                                 "tracking.report_to=[tensorboard,wandb])", factory=list)
+    project: str = _help("wandb/Trackio project and MLflow experiment the run is logged under", "agentevo")
+    run_name: str | None = _help("the run's name in the trackers (null = the run folder's name)", None)
+    samples: int = _help("episodes of each evaluation (the first n tasks) logged to the trackers as a table of "
+                         "task id, actions, observations, reward and success (0 = none)", 8, ge=0)
+
+    def validate(self) -> None:
+        from agentevo.train.tracking import check_report_to
+
+        check_report_to(self.report_to)  # unknown names and missing packages fail before any work
 
 
 @dataclass
@@ -222,7 +260,7 @@ class RunConfig:
     method: str = _help("recipe to run (bc)", "bc")
     name: str | None = _help("run name (folder under output_dir); null = <method>-<env>-<time>", None)
     output_dir: str = _help("where run folders are created", "runs")
-    seed: int = _help("global seed", 0)
+    seed: int = _help("global seed", 0, ge=0, le=2**32 - 1)
     env: EnvConfig = _help("environment", factory=EnvConfig)
     model: ModelConfig = _help("policy model", factory=ModelConfig)
     agent: AgentConfig = _help("prompting and parsing", factory=AgentConfig)
@@ -236,12 +274,15 @@ class RunConfig:
     rsd: RSDConfig = _help("RSD settings (methods-spec section 4)", factory=RSDConfig)
     eto: ETOConfig = _help("ETO baseline settings (methods-spec section 5)", factory=ETOConfig)
     qlass: QLASSConfig = _help("QLASS baseline settings (methods-spec section 5)", factory=QLASSConfig)
+    tracking: TrackingConfig = _help("experiment trackers (TensorBoard, wandb, Trackio, MLflow)",
+                                     factory=TrackingConfig)
 
     def validate(self) -> None:
         from agentevo.recipes import RECIPES
 
         if self.method not in RECIPES:
             raise ConfigError(f"method: unknown recipe {self.method!r}; choose one of: {', '.join(sorted(RECIPES))}")
+        check_fields(self)  # every numeric field against its range first, so the checks below see sane numbers
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if dataclasses.is_dataclass(value) and hasattr(value, "validate"):
@@ -290,7 +331,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where} must be a number (got {value!r})")
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer too large for a float
+            raise ConfigError(f"{where} must be a finite number (got {value!r})") from None
     if tp is str:
         if isinstance(value, bool) or value is None:
             raise ConfigError(
@@ -301,13 +345,16 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             raise ConfigError(f"{where} must be a string (got {value!r})")
         return value
     if origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where} must be a list (got {value!r})")
-        return tuple(_coerce(v, a, where) for v, a in zip(value, typing.get_args(tp), strict=False))
+        args = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{where} must be a list of {len(args)} values (got {value!r})")
+        return tuple(_coerce(v, a, f"{where}[{k}]") for k, (v, a) in enumerate(zip(value, args, strict=True)))
     if origin is list:
+        (arg,) = typing.get_args(tp)
+        if isinstance(value, str) and arg is str:
+            value = [value]  # `--set tracking.report_to=wandb` means [wandb]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where} must be a list (got {value!r})")
-        (arg,) = typing.get_args(tp)
         return [_coerce(v, arg, where) for v in value]
     if origin is dict:
         if not isinstance(value, dict):
@@ -341,6 +388,13 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """'<problem> at line L, column C' on one line."""
+    problem = " ".join(str(getattr(exc, "problem", None) or exc).split())
+    mark = getattr(exc, "problem_mark", None)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else problem
+
+
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     """Turn ['a.b=1', 'c=x'] into a nested dict; values are parsed as YAML scalars."""
     tree: dict[str, Any] = {}
@@ -348,7 +402,13 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
         if "=" not in pair:
             raise ConfigError(f"--set expects KEY=VALUE (got {pair!r}), e.g. --set optim.lr=3e-4")
         key, raw = pair.split("=", 1)
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else "")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(
+                f"--set {pair!r}: the value is not valid YAML ({_yaml_problem(exc)}); quote it, "
+                f"e.g. --set \"{key.strip()}='...'\"") from None
+        _set_dotted(tree, key.strip(), value)
     return tree
 
 
@@ -371,7 +431,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         p = Path(path)
         if not p.exists():
             raise ConfigError(f"config file {str(p)!r} does not exist; see configs/ for examples")
-        loaded = yaml.safe_load(p.read_text()) or {}
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {_yaml_problem(exc)}") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"config file {str(p)!r} cannot be read as text: {exc}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
         data = loaded

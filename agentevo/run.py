@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
+import shutil
+import socket
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -14,7 +18,7 @@ from typing import Any
 import yaml
 
 from agentevo import dist
-from agentevo.config import RunConfig, _build, dump_config
+from agentevo.config import RunConfig, _build, config_to_dict, dump_config
 from agentevo.data.store import ExperienceStore
 from agentevo.data.types import Trajectory
 from agentevo.envs import TaskList, make_env
@@ -29,6 +33,112 @@ from agentevo.train.tracking import MetricsLogger
 log = logging.getLogger(__name__)
 
 _PHASE_FAILED = "__agentevo_phase_failed__"
+LOCK_FILE = ".lock"  # flock'ed while a process owns the folder; never deleted (a new inode would let two in)
+OWNER_FILE = "owner.json"  # who holds the lock: pid, host, command, start time
+
+
+def check_run_name(name: str, output_dir: str | Path) -> None:
+    """Refuse a run name that is not exactly one folder name under the output dir."""
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name or os.path.isabs(name):
+        raise ConfigError(f"run name {name!r} must be one folder name under {str(output_dir)!r} (not empty, '.', "
+                          "'..', an absolute path or anything with '/' or '\\'); give e.g. --name my-run")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class RunLock:
+    """Exclusive ownership of a run folder: an OS lock (flock) held from Run() to Run.close(), dropped by the OS
+    when the process dies, so a crash never leaves a stale lock; owner.json says who holds it."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.dir = run_dir
+        self._file: Any = open(run_dir / LOCK_FILE, "a")  # noqa: SIM115 - held open for the life of the run
+        try:
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.close()
+            raise AgentevoError(f"run folder {str(run_dir)!r} is in use by {self.holder()}; wait for it to end (or "
+                                "stop it), or pick another --name") from None
+        except OSError as exc:
+            self._file.close()
+            raise AgentevoError(f"cannot lock run folder {str(run_dir)!r} ({exc}); put runs on a local disk "
+                                "(--output-dir)") from None
+        command = " ".join(sys.argv).replace("\n", " ")
+        _write_atomic(run_dir / OWNER_FILE, json.dumps({
+            "pid": os.getpid(), "host": socket.gethostname(), "command": command[:300],
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }))
+
+    def holder(self) -> str:
+        """The lock holder as recorded in owner.json (pid, host, command, start time)."""
+        try:
+            info = json.loads((self.dir / OWNER_FILE).read_text())
+            return (f"pid {info['pid']} on {info['host']} (`{info['command']}`, since {info['started']})")
+        except (OSError, ValueError, KeyError, TypeError):
+            return "another process (it has not recorded itself in owner.json yet)"
+
+    def release(self) -> None:
+        """Drop the lock (idempotent); owner.json goes with it."""
+        if self._file.closed:
+            return
+        try:
+            (self.dir / OWNER_FILE).unlink(missing_ok=True)
+        finally:
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
+            self._file.close()
+
+
+def _prepare_folder(run_dir: Path, existing: str) -> None:
+    """What to do with what the folder already holds (called with its lock held): 'resume' keeps it, 'refuse'
+    stops at a run folder, 'overwrite' empties one, 'eval' reuses only an `agentevo eval` folder."""
+    if existing == "resume":
+        return
+    config = run_dir / "config.yaml"
+    if not config.exists():
+        # a new run may start on a store seeded by `agentevo import` (docs/data.md); anything else is not ours
+        if any(p.name not in (LOCK_FILE, OWNER_FILE) and not p.name.startswith("experience.db")
+               for p in run_dir.iterdir()):
+            raise ConfigError(f"{str(run_dir)!r} exists and is not a run folder (no config.yaml); pick another "
+                              "--name (or --output-dir)")
+        return
+    if existing == "overwrite":
+        for child in run_dir.iterdir():
+            if child.name in (LOCK_FILE, OWNER_FILE):
+                continue
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+        return
+    if existing == "eval":
+        try:
+            method = (yaml.safe_load(config.read_text()) or {}).get("method")
+        except (yaml.YAMLError, AttributeError):
+            method = "unreadable"
+        if method == "eval":
+            return
+        raise ConfigError(f"{str(run_dir)!r} is the folder of a {method} run; `agentevo eval` never writes into "
+                          "another run's folder: pick another --name")
+    raise ConfigError(f"run folder {str(run_dir)!r} already exists; continue it with `agentevo resume {run_dir}`, "
+                      "pick another --name, or add --overwrite to start it over")
+
+
+def _read_state(path: Path) -> dict[str, Any]:
+    """state.json, or {} for a new run; a truncated or edited file is a one-line error naming the fix."""
+    if not path.exists():
+        return {}
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        state = None
+    if not isinstance(state, dict):
+        raise AgentevoError(f"{str(path)!r} is not a valid state file (truncated or edited?); restore it, or start "
+                            f"the run again with `agentevo train ... --name {path.parent.name} --overwrite`")
+    return state
 
 
 def _progress_columns() -> list[Any]:
@@ -39,18 +149,54 @@ def _progress_columns() -> list[Any]:
 
 
 class ProgressBar:
-    """Advance or set a rich progress task (no-op when quiet)."""
+    """Advance or set a rich progress task; with `plain` (output piped: rich would show nothing until the end) print
+    a plain line "DESCRIPTION: 12/50 (24%) 00:31 elapsed" at each tenth of the total and at least every `interval`
+    seconds of progress instead; no-op when both are None (quiet)."""
 
-    def __init__(self, progress: Any, task: Any) -> None:
+    def __init__(self, progress: Any, task: Any, plain: str | None = None, total: int | None = None,
+                 interval: float = 30.0, clock: Callable[[], float] = time.monotonic, out: Any = None) -> None:
         self._progress, self._task = progress, task
+        self._plain, self._total, self._interval, self._clock, self._out = plain, total, interval, clock, out
+        self._completed, self._tenth, self._printed = 0, 0, -1
+        self._start = self._last = clock()
 
     def advance(self, n: int = 1) -> None:
+        """Count n more items done."""
         if self._progress is not None:
             self._progress.advance(self._task, n)
+        if self._plain is not None:
+            self._completed += n
+            self._tick()
 
     def update(self, completed: int, total: int | None = None, **fields: Any) -> None:
+        """Set the items done (and the total, when given)."""
         if self._progress is not None:
             self._progress.update(self._task, completed=completed, total=total)
+        if self._plain is not None:
+            self._completed = completed
+            self._total = total if total is not None else self._total
+            self._tick()
+
+    def finish(self) -> None:
+        """Print the plain line of where it ended, unless that line was the last one printed."""
+        if self._plain is not None and self._printed != self._completed:
+            self._line(self._clock())
+
+    def _tick(self) -> None:
+        now = self._clock()
+        tenth = 10 * self._completed // self._total if self._total else 0
+        if tenth > self._tenth or now - self._last >= self._interval:
+            self._tenth = max(self._tenth, tenth)
+            self._line(now)
+
+    def _line(self, now: float) -> None:
+        minutes, seconds = divmod(int(now - self._start), 60)
+        hours, minutes = divmod(minutes, 60)
+        elapsed = f"{hours}:{minutes:02d}:{seconds:02d}" if hours else f"{minutes:02d}:{seconds:02d}"
+        done = (f"{self._completed}/{self._total} ({100 * self._completed // self._total}%)" if self._total
+                else str(self._completed))
+        print(f"{self._plain}: {done} {elapsed} elapsed", file=self._out or sys.stdout, flush=True)
+        self._last, self._printed = now, self._completed
 
     def training_callback(self) -> Callable[[int, int, dict[str, float]], None]:
         """An on_step callback for train()."""
@@ -60,31 +206,57 @@ class ProgressBar:
 class Run:
     """Everything one experiment writes lives under runs/NAME/ (see DESIGN.md, 'The run directory')."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, quiet: bool = False) -> None:
+    def __init__(self, cfg: RunConfig, run_dir: Path, quiet: bool = False, existing: str = "resume") -> None:
         self.cfg = cfg
         self.dir = run_dir
         self.main = dist.is_main()  # under `accelerate launch` only rank 0 collects, evaluates and writes
         self.quiet = quiet or not self.main
         self.dir.mkdir(parents=True, exist_ok=True)
-        if self.main:
-            (self.dir / "config.yaml").write_text(dump_config(cfg))
-        self.store = ExperienceStore(self.dir / "experience.db")
-        self.logger = MetricsLogger(self.dir, enabled=self.main)
+        self._lock: RunLock | None = None
+        error: AgentevoError | None = None
+        if self.main:  # rank 0 owns the folder for every rank
+            try:
+                self._lock = RunLock(self.dir)
+                _prepare_folder(self.dir, existing)
+                _write_atomic(self.dir / "config.yaml", dump_config(cfg))
+            except AgentevoError as exc:
+                error = exc
+        failed = dist.broadcast(None if error is None else str(error))  # no rank goes on into a refused folder
+        if failed is not None:
+            self._release()
+            raise error or AgentevoError(failed)
         self.state_path = self.dir / "state.json"
-        self.state: dict[str, Any] = json.loads(self.state_path.read_text()) if self.state_path.exists() else {}
+        try:
+            self.state: dict[str, Any] = _read_state(self.state_path)
+            self.store = ExperienceStore(self.dir / "experience.db")
+            track = cfg.tracking
+            self.logger = MetricsLogger(self.dir, enabled=self.main, report_to=track.report_to, project=track.project,
+                                        run_name=track.run_name or self.dir.name, samples=track.samples,
+                                        config=config_to_dict(cfg))
+        except BaseException:
+            self._release()
+            raise
         self.threads = set_torch_threads(cfg.model.torch_threads)
-        placement.configure(cfg.model.device, cfg.model.dtype)
+        placement.configure(cfg.model.device, cfg.model.dtype, cfg.model.attn_implementation)
         self._signal_env: Any = None
         self._engine: Any = None  # the vLLM engine of this run (model.backend = vllm), kept across rounds
 
     # -- creation ------------------------------------------------------------------------------
     @classmethod
-    def create(cls, cfg: RunConfig, quiet: bool = False) -> Run:
-        """A new run folder (or the existing one of the same name, which is then resumed)."""
-        # every rank of a distributed run must name the same folder, whatever its clock says
-        name = cfg.name or dist.broadcast(f"{cfg.method}-{cfg.env.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-        cfg.name = name
-        return cls(cfg, Path(cfg.output_dir) / name, quiet=quiet)
+    def create(cls, cfg: RunConfig, quiet: bool = False, overwrite: bool = False) -> Run:
+        """A new run folder: an existing run folder of that name is refused (resume it with Run.open), emptied
+        with overwrite, or, for `agentevo eval` (method eval), reused when it is an eval folder."""
+        if cfg.name is None:
+            base = f"{cfg.method}-{cfg.env.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+            name, k = base, 1
+            while (Path(cfg.output_dir) / name).exists():  # two runs started in the same second
+                k += 1
+                name = f"{base}-{k}"
+            # every rank of a distributed run must name the same folder, whatever its clock says
+            cfg.name = dist.broadcast(name)
+        check_run_name(cfg.name, cfg.output_dir)
+        existing = "overwrite" if overwrite else "eval" if cfg.method == "eval" else "refuse"
+        return cls(cfg, Path(cfg.output_dir) / cfg.name, quiet=quiet, existing=existing)
 
     @classmethod
     def open(cls, run_dir: str | Path, quiet: bool = False) -> Run:
@@ -95,7 +267,7 @@ class Run:
             raise ConfigError(f"{str(run_dir)!r} is not a run folder (no config.yaml); give runs/NAME")
         cfg = _build(RunConfig, yaml.safe_load(path.read_text()))
         cfg.validate()
-        return cls(cfg, run_dir, quiet=quiet)
+        return cls(cfg, run_dir, quiet=quiet, existing="resume")
 
     # -- phases --------------------------------------------------------------------------------
     def phase(self, name: str, fn: Callable[[], Any], all_ranks: bool = False) -> Any:
@@ -147,7 +319,8 @@ class Run:
     @contextmanager
     def pool(self, size: int | None = None) -> Iterator[Any]:
         """An env worker pool sized for the rollout engine."""
-        p = make_pool(self.cfg.env.name, self.env_params, size or self.cfg.rollout.n_parallel, self.cfg.rollout.workers)
+        p = make_pool(self.cfg.env.name, self.env_params, size or self.cfg.rollout.n_parallel, self.cfg.rollout.workers,
+                      self.cfg.rollout.step_timeout_s)
         try:
             yield p
         finally:
@@ -216,11 +389,19 @@ class Run:
     # -- collection and evaluation ------------------------------------------------------------
     @contextmanager
     def progress(self, description: str, total: int | None = None) -> Iterator[ProgressBar]:
-        """A progress bar (rich) for rollouts or training; silent when the run is quiet."""
+        """A progress bar (rich) for rollouts or training; plain periodic lines when stdout is not a terminal (piped
+        to a log); silent when the run is quiet."""
         from rich.progress import Progress
 
         if self.quiet:
             yield ProgressBar(None, None)
+            return
+        if not sys.stdout.isatty():
+            bar = ProgressBar(None, None, plain=description, total=total)
+            try:
+                yield bar
+            finally:
+                bar.finish()
             return
         with Progress(*_progress_columns(), transient=False) as progress:
             yield ProgressBar(progress, progress.add_task(description, total=total))
@@ -266,17 +447,25 @@ class Run:
             trajs = self.collect(actor, requests, eval_collection(label, split), f"eval {label} on {split}", pool=pool)
             metrics = {**summarize(trajs), "task_hash": tasks.hash, "split": split, **(extra or {})}
             self.logger.log(eval_collection(label, split), 0, {k: v for k, v in metrics.items() if k != "split"})
+            self.logger.log_samples(eval_collection(label, split), 0, trajs)  # the first tracking.samples episodes
             out[split] = metrics
         return out
 
     def close(self) -> None:
-        """Close the store, the logger, the local env and the vLLM engine."""
-        if self._engine is not None:
-            self._engine.close()
-        if self._signal_env is not None:
-            self._signal_env.close()
-        self.store.close()
-        self.logger.close()
+        """Close the store, the logger, the local env and the vLLM engine; then give up the folder."""
+        try:
+            if self._engine is not None:
+                self._engine.close()
+            if self._signal_env is not None:
+                self._signal_env.close()
+            self.store.close()
+            self.logger.close()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
 
 
 def require(condition: bool, message: str) -> None:

@@ -1,7 +1,7 @@
 """Reset time and steps/s of the ALFWorld adapter on expert replays, fast path vs stock TextWorld.
 
 Usage: OMP_NUM_THREADS=1 .venv/bin/python bench/bench_alfworld.py [--split dev] [--n 12] [--cache-dir DIR]
-       [--modes fast,stock] [--data-path DIR]
+       [--modes fast,stock] [--data-path DIR] [--smoke]
 
 Games are the first n of the split (generated from the alfworld wheel unless --data-path / ALFWORLD_DATA points at
 real data); generation time is reported separately and cached, so a second run measures play only. For each mode
@@ -26,15 +26,19 @@ def _fmt(xs: list[float], unit: float = 1.0) -> str:
     return f"median {statistics.median(xs) * unit:.3g}  mean {statistics.mean(xs) * unit:.3g}  max {max(xs) * unit:.3g}"
 
 
-def main() -> None:
-    """Run the benchmark and print reset times, steps/s per mode and per task type, and the fast/stock ratio."""
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    """Run the benchmark, print reset times, steps/s per mode and per task type, and the fast/stock ratio; returns
+    steps/s per mode."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--split", default="dev", choices=("train", "dev", "test"))
     parser.add_argument("--n", type=int, default=12, help="games (the first n of the split)")
     parser.add_argument("--cache-dir", default=None, help="generated-games cache (default ~/.cache/agentevo/alfworld)")
     parser.add_argument("--data-path", default=None, help="real ALFWorld data (default: ALFWORLD_DATA if it has data)")
     parser.add_argument("--modes", default="fast,stock", help="comma list of fast, stock")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="one game of the dev split (seconds once generated)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.split, args.n = "dev", 1
 
     limits = {"n_train": None, "n_dev": None, "n_test": None}
     limits[f"n_{args.split}"] = args.n
@@ -99,6 +103,7 @@ def main() -> None:
             len(results["stock"]["steps"]) / sum(results["stock"]["steps"])
         )
         print(f"\nfast / stock steps/s: {ratio:.1f}x")
+    return {mode: len(r["steps"]) / sum(r["steps"]) for mode, r in results.items()}
 
 
 if __name__ == "__main__":

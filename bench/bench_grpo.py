@@ -2,20 +2,28 @@
 and rollout throughput with groups; optionally the same update with Self-Guide's cut-history rows.
 
 Usage: OMP_NUM_THREADS=1 python bench/bench_grpo.py [--model runs/NAME/checkpoints/bc] [--tasks 4] [--group 4]
-       [--max-steps 12] [--parallel 8] [--guided]
-Without --model an untrained tiny Llama is built (its replies are mostly format errors, so every episode runs to
-max_steps with full generation budgets: a worst case for generation, a best case for the env).
+       [--max-steps 12] [--parallel 8] [--guided] [--untrained] [--smoke]
+Without --model the tiny default is first BC-trained briefly (benchlib.quick_bc_model) so the policy acts; with
+--untrained an untrained tiny Llama is built instead (its replies are mostly format errors, so every episode runs to
+max_steps with full generation budgets: a worst case for generation, a best case for the env). Env steps per point
+of held-out gain for GRPO are in bench_methods.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-from agentevo.algorithms.grpo import (
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import cpu_line, quick_bc_model  # noqa: E402
+
+from agentevo.algorithms.grpo import (  # noqa: E402
     PolicyTrainer,
     add_ref_logprobs,
     group_requests,
@@ -48,8 +56,8 @@ def build_policy(path: str | None, batch_size: int) -> TransformersPolicy:
     return TransformersPolicy(build_tiny_model(TinyModelConfig(), tok, 0), tok, "bench", batch_size)
 
 
-def main() -> None:
-    """Run one update and print the phase costs."""
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    """Run one update, print the phase costs and return them (seconds)."""
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default=None)
     ap.add_argument("--tasks", type=int, default=4, help="tasks per update")
@@ -59,9 +67,15 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=20)
     ap.add_argument("--parallel", type=int, default=8, help="episodes in flight (= generation batch)")
     ap.add_argument("--guided", action="store_true", help="also time Self-Guide's per-step rows (past guides cut)")
-    args = ap.parse_args()
+    ap.add_argument("--untrained", action="store_true", help="an untrained tiny Llama instead of the quick BC model")
+    ap.add_argument("--smoke", action="store_true", help="tiny model and shapes: checks the bench runs (seconds)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.tasks, args.group, args.max_steps, args.max_new_tokens, args.parallel = 2, 2, 2, 4, 2
     torch.manual_seed(0)
-
+    print(cpu_line(), flush=True)
+    if args.model is None and not args.untrained:
+        args.model = str(quick_bc_model(Path(tempfile.mkdtemp(prefix="bench-grpo-")), args.smoke))
     policy = build_policy(args.model, args.parallel)
     cfg = GRPOConfig(lr=1e-5, batch_size=8, micro_batch_size=4, group_size=args.group)
     params = {"n_train": args.tasks, "max_steps": args.max_steps}
@@ -143,6 +157,7 @@ def main() -> None:
         print(f"Self-Guide stage-I rows (past guides cut): {len(rows)} rows, {g_tok} tokens "
               f"({g_tok / max(1, row_tok):.1f}x the packed rows); rows + ref log-probs {g_label:.2f} s, "
               f"update {g_update:.2f} s ({g_update / update_s:.1f}x the packed update)")
+    return {"rollout_s": rollout_s, "label_s": label_s, "ref_s": ref_s, "update_s": update_s}
 
 
 if __name__ == "__main__":

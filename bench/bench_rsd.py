@@ -7,9 +7,11 @@ Three ways to train a student towards a teacher that reads a longer (privileged-
   full-live    the teacher runs next to the student at every training step (no cache), full-vocabulary KL
 Each variant runs in a fresh subprocess on the same synthetic rows (random token ids, a share of reply tokens),
 so the peak resident memory (CPU) or peak allocated memory (CUDA) of one does not leak into the next.
-Printed: cache size, peak memory over the process baseline, teacher time, training time, and the final KL.
+Printed: cache size, peak memory over the process baseline, teacher time, training time, and the final KL; first, the
+bytes per reply token of the compact top-k cache (float16 log-probs, int16/int32 ids, as agentevo.algorithms.rsd saves
+it) vs the previous float32 + int32 cache and the full float32 vocabulary row, at 2K and 150K vocabularies.
 
-Usage: python bench/bench_rsd.py [--vocab 2048 32000] [--rows 16] [--length 384] [--context 128] [--k 20]
+Usage: python bench/bench_rsd.py [--vocab 2048 32000] [--rows 16] [--length 384] [--context 128] [--k 20] [--smoke]
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def _variant(args: dict[str, Any]) -> dict[str, Any]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from agentevo.algorithms import losses
+    from agentevo.algorithms.rsd import id_dtype
 
     torch.set_num_threads(args["threads"])
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -75,7 +78,7 @@ def _variant(args: dict[str, Any]) -> dict[str, Any]:
                 z = teacher_logits(slice(s, s + mb)).float()
                 if mode == "topk-cache":
                     ids, lp = losses.teacher_topk(z, k)
-                    entry = (ids.to(torch.int32).cpu(), lp.cpu())
+                    entry = (ids.to(id_dtype(args["vocab"])).cpu(), lp.to(torch.float16).cpu())  # as rsd saves it
                 else:
                     entry = (torch.log_softmax(z, -1).cpu(),)
                 cache.append(entry)
@@ -93,7 +96,7 @@ def _variant(args: dict[str, Any]) -> dict[str, Any]:
         z_s = student(input_ids=plain[rows].to(device)).logits[:, length - n_reply - 1 : length - 1]
         if mode == "topk-cache":
             ids, lp = cache[b]
-            per_tok = losses.topk_forward_kl(z_s, ids.long().to(device), lp.to(device))
+            per_tok = losses.topk_forward_kl(z_s, ids.long().to(device), lp.float().to(device))
         elif mode == "full-cache":
             t_lp = cache[b][0].to(device)
             per_tok = losses.full_forward_kl(z_s, t_lp)  # log-probs are valid logits: softmax(log p) = p
@@ -111,8 +114,20 @@ def _variant(args: dict[str, Any]) -> dict[str, Any]:
             "train_s": train_s, "kl_last": kl, "reply_tokens": n * n_reply}
 
 
-def main() -> None:
-    """Run the three variants for each vocabulary size and print one line each, plus ratios."""
+def cache_bytes_per_token(vocab: int, k: int) -> dict[str, int]:
+    """Bytes per reply token: the compact top-k cache, the previous float32 + int32 one, the full float32 row."""
+    import torch
+
+    from agentevo.algorithms.rsd import id_dtype
+
+    ids = torch.empty((), dtype=id_dtype(vocab)).element_size()
+    token_logps = 2 * 4  # teacher's and student's log-prob of the taken token, float32
+    return {"compact": k * (ids + 2) + token_logps, "previous": k * (4 + 4) + token_logps, "full": 4 * vocab,
+            "id_bits": 8 * ids}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Print the cache bytes per token, then run the three variants per vocabulary size (one line each, + ratios)."""
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--vocab", type=int, nargs="+", default=[2048, 32000])
     ap.add_argument("--rows", type=int, default=16)
@@ -125,11 +140,22 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=20)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=1, help="round-robin repeats; the fastest time of each is kept")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes: checks the bench runs (seconds)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.vocab, args.rows, args.length, args.context, args.hidden, args.layers = [256], 2, 32, 8, 32, 1
+        args.micro_batch = 2
+    sizes = {}
+    for vocab in (2048, 151_936):
+        sizes[vocab] = b = cache_bytes_per_token(vocab, args.k)
+        print(f"V={vocab:6d} top-{args.k} cache: {b['compact']} bytes/token (float16 + int{b['id_bits']}"
+              f" ids) vs {b['previous']} (float32 + int32) vs the full float32 row {b['full']:,}: "
+              f"{100 * b['compact'] / b['full']:.3f}% of the row (was {100 * b['previous'] / b['full']:.3f}%)", flush=True)
     ctx = mp.get_context("spawn")
     modes = ("topk-cache", "full-cache", "full-live")
+    per_vocab: dict[int, dict[str, dict[str, Any]]] = {}
     for vocab in args.vocab:
-        out: dict[str, dict[str, Any]] = {}
+        per_vocab[vocab] = out = {}
         # Round-robin over the variants so a burst of load on a shared machine hits all of them alike.
         for _ in range(args.repeats):
             for mode in modes:
@@ -153,6 +179,7 @@ def main() -> None:
               f" full-live/top{args.k} {fl['peak_mb'] / max(a['peak_mb'], 1e-9):.2f}x;"
               f" total time full-cache/top{args.k} {(fc['teacher_s'] + fc['train_s']) / (a['teacher_s'] + a['train_s']):.2f}x,"
               f" full-live/top{args.k} {(fl['teacher_s'] + fl['train_s']) / (a['teacher_s'] + a['train_s']):.2f}x")
+    return {"bytes_per_token": sizes, "variants": per_vocab}
 
 
 if __name__ == "__main__":

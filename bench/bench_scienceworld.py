@@ -1,6 +1,6 @@
 """Steps/s of the ScienceWorld adapter's fast path vs the stock env.step, on the same gold action sequences.
 
-Usage: OMP_NUM_THREADS=1 .venv/bin/python bench/bench_scienceworld.py [--repeats 3] [--tasks find-animal,...]
+Usage: OMP_NUM_THREADS=1 .venv/bin/python bench/bench_scienceworld.py [--repeats 3] [--tasks find-animal,...] [--smoke]
 
 One JVM plays every gold replay twice per repeat, once per mode, alternating which mode goes first so that drift
 in machine load hits both alike. Only step() calls are timed; resets and gold loading are not.
@@ -45,13 +45,16 @@ def _replay(env: ScienceWorldEnv, task: Task, actions: list[str]) -> tuple[list[
     return times, success
 
 
-def main() -> None:
-    """Run the benchmark and print medians, throughput and the fast/stock ratio."""
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    """Run the benchmark, print medians, throughput and the fast/stock ratio; returns steps/s per mode."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", default=DEFAULT_TASKS, help="comma-separated task names (variation 0 of each)")
     parser.add_argument("--repeats", type=int, default=3, help="gold replays per task and mode")
     parser.add_argument("--jvm-heap-mb", type=int, default=512)
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="one task, one repeat (seconds)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.tasks, args.repeats = "find-animal", 2  # 2: each mode once first (the quantiles need >= 2 steps)
 
     env = ScienceWorldEnv(jvm_heap_mb=args.jvm_heap_mb)
     t0 = time.perf_counter()
@@ -91,6 +94,7 @@ def main() -> None:
         )
     print(f"speed-up (median step, fast / stock): {rates['fast'] / rates['stock']:.1f}x")
     print(f"gold replays that did not succeed: {failures}")
+    return {**rates, "failures": failures}
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Steps per second of the fast text environments (TextWorldExpress, local WebShop, SearchQA), replaying their experts.
 
-Usage: python bench/bench_text_envs.py [--splits train dev test] [--repeats 3]
+Usage: python bench/bench_text_envs.py [--splits train dev test] [--repeats 3] [--smoke]
 """
 
 from __future__ import annotations
@@ -34,18 +34,23 @@ def replay(env: Any, splits: list[str], repeats: int) -> dict[str, float]:
             "episodes_per_s": episodes / elapsed, "mean_reward": reward / episodes}
 
 
-def main() -> None:
-    """Run the benchmark and print one line per environment."""
+def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
+    """Run the benchmark, print one line per environment and return the results."""
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--splits", nargs="+", default=["train", "dev", "test"])
     ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="2 tasks per split, the test split, 1 repeat (seconds)")
+    args = ap.parse_args(argv)
+    n = 2 if args.smoke else 50
+    if args.smoke:
+        args.splits, args.repeats = ["test"], 1
     envs = (
-        ("twx-cookingworld", lambda: CookingWorldEnv(n_train=50, n_dev=50, n_test=50)),
-        ("twx-twc", lambda: TWCEnv(n_train=50, n_dev=50, n_test=50)),
+        ("twx-cookingworld", lambda: CookingWorldEnv(n_train=n, n_dev=n, n_test=n)),
+        ("twx-twc", lambda: TWCEnv(n_train=n, n_dev=n, n_test=n)),
         ("webshop(local)", lambda: WebShopEnv(backend="local")),
         ("searchqa", SearchQAEnv),
     )
+    out: dict[str, dict[str, float]] = {}
     for name, make in envs:
         t0 = time.perf_counter()
         env = make()
@@ -57,6 +62,8 @@ def main() -> None:
             f"| expert mean final score {res['mean_reward']:.3f}"
         )
         env.close()
+        out[name] = res
+    return out
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ def tiny_model(folder: Path) -> Path:
     return folder / "tiny"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """Run both backends and print one line each, then the ratio."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="save_pretrained folder (default: a freshly built tiny Llama)")
@@ -72,7 +72,10 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="8 prompts, 8 new tokens (needs a GPU and vllm)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.prompts, args.max_new_tokens, args.batch_size = 8, 8, 8
     if not torch.cuda.is_available():
         raise SystemExit("bench_vllm needs a CUDA GPU (vLLM runs only there)")
     from agentevo.models.vllm_backend import VLLMConfig, VLLMPolicy

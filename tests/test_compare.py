@@ -8,18 +8,36 @@ from pathlib import Path
 import pytest
 
 from agentevo.cli import main
+from agentevo.data.store import ExperienceStore
+from agentevo.data.types import Trajectory
+from agentevo.envs.base import Task
 from agentevo.errors import ConfigError
 from agentevo.eval.compare import compare, group_runs
+from agentevo.eval.metrics import eval_collection
 
 
-def _run(root: Path, name: str, successes: dict[str, float], steps: dict[str, int] | None = None) -> Path:
+def _run(root: Path, name: str, successes: dict[str, float], steps: dict[str, int] | None = None,
+         outcomes: dict[str, list[int]] | None = None, env: str | None = None, task_hash: str | None = None) -> Path:
+    """A run folder: state.json (eval points), optionally config.yaml (env) and experience.db (per-task outcomes
+    of tasks t0, t1, ... for each label in `outcomes`, success 0/1 and final reward = success / 2)."""
     state: dict = {}
     for label, s in successes.items():
         state[f"eval/{label}"] = {"test": {"success_rate": s, "avg_reward": s / 2}}
+        if task_hash:
+            state[f"eval/{label}"]["test"]["task_hash"] = task_hash
     for r, n in (steps or {}).items():
         state[f"round-{r}/label"] = {"env_steps_cumulative": n, "env_steps_expert": 100}
     (root / name).mkdir()
     (root / name / "state.json").write_text(json.dumps(state))
+    if env:
+        (root / name / "config.yaml").write_text(f"method: bc\nenv:\n  name: {env}\n")
+    if outcomes:
+        store = ExperienceStore(root / name / "experience.db")
+        for label, wins in outcomes.items():
+            for k, won in enumerate(wins):
+                task = Task(env or "twx", f"t{k}", "test", "cook")
+                store.add(Trajectory(task, "self", label, "", [], won / 2, bool(won)), eval_collection(label, "test"), k)
+        store.close()
     return root / name
 
 
@@ -34,15 +52,20 @@ def test_groups_by_seed_suffix_with_mean_and_sd(tmp_path: Path) -> None:
     # self-collected steps: cumulative minus the 100 expert steps; the BC point is 0
     assert [p.env_steps for p in groups[0].points["round-1"]] == [400.0, 600.0]
     assert groups[0].points["bc"][0].env_steps == 0.0
-    path, table = compare(runs, "test", tmp_path / "out")
-    # round-1 of qe: mean of 30 and 10 = 20, sample sd = sqrt(((10)^2 + (10)^2) / 1) = 14.1
-    assert "| qe | 2 | 20.0 ± 0.0 (n=2) | 20.0 ± 14.1 (n=2) |" in table
-    assert "| wo-pi | 1 | 20.0 ± 0.0 (n=1) | 0.0 ± 0.0 (n=1) |" in table
-    assert table in path.read_text() and (tmp_path / "out" / "compare.png").exists()
+    result = compare(runs, "test", tmp_path / "out")
+    # round-1 of qe: mean of 30 and 10 = 20, sample sd = sqrt(((10)^2 + (10)^2) / 1) = 14.1; then each seed's value
+    table = result.table
+    assert "| qe | ? | s0, s1 | 20.0 ± 0.0 (20.0 / 20.0) | 20.0 ± 14.1 (30.0 / 10.0) |" in table
+    assert "| wo-pi | ? | s0 | 20.0 ± 0.0 (20.0) | 0.0 ± 0.0 (0.0) |" in table
+    assert table in result.path.read_text() and (tmp_path / "out" / "compare.png").exists()
+    # no experience.db: the arms are listed but not paired, and the reason is given
+    assert "| wo-pi | bc | not paired: no per-task outcomes in wo-pi-s0/experience.db |" in result.paired_table
+    assert result.sentences == ["- **wo-pi** (round-1; qe at round-1): not paired with qe (no per-task outcomes in "
+                                "wo-pi-s0/experience.db)."]
     # average reward is success / 2 here: qe round-1 = mean(15, 5) = 10, sd = sqrt(2 * 5^2) = 7.1
-    path, table = compare(runs, "test", tmp_path / "out-r", metric="reward")
-    assert "| qe | 2 | 10.0 ± 0.0 (n=2) | 10.0 ± 7.1 (n=2) |" in table
-    assert "average final reward" in path.read_text()
+    result = compare(runs, "test", tmp_path / "out-r", metric="reward")
+    assert "| qe | ? | s0, s1 | 10.0 ± 0.0 (10.0 / 10.0) | 10.0 ± 7.1 (15.0 / 5.0) |" in result.table
+    assert "average final reward" in result.path.read_text()
     with pytest.raises(ConfigError, match="--metric must be one of success, reward"):
         compare(runs, "test", tmp_path / "out-x", metric="score")
 
@@ -79,3 +102,161 @@ def test_env_steps_of_rsd_table_evaluations() -> None:
     assert _env_steps(state, "bon-sft", {}) == 4400.0 and _env_steps(state, "harness", {}) == 1050.0
     assert _env_steps(state, "base", {}) == 0.0 and _env_steps(state, "gt-sft", {}) == 0.0
     assert _env_steps(state, "reflexion", {}) is None  # its attempts are test-time steps, not training
+
+
+def _paired_runs(root: Path) -> list[Path]:
+    # per task t0..t3: base s0 1000, s1 1100; qe s0 1110, s1 1101 -> differences s0 0110, s1 0001
+    return [
+        _run(root, "base-s0", {"round-1": 0.25}, outcomes={"round-1": [1, 0, 0, 0]}, env="twx", task_hash="h4"),
+        _run(root, "base-s1", {"round-1": 0.5}, outcomes={"round-1": [1, 1, 0, 0]}, env="twx", task_hash="h4"),
+        _run(root, "qe-s1", {"bc": 0.5, "round-1": 0.75}, outcomes={"bc": [1, 1, 0, 0], "round-1": [1, 1, 0, 1]},
+             env="twx", task_hash="h4"),
+        _run(root, "qe-s0", {"bc": 0.25, "round-1": 0.75}, outcomes={"bc": [1, 0, 0, 0], "round-1": [1, 1, 1, 0]},
+             env="twx", task_hash="h4"),
+    ]
+
+
+def test_paired_difference_vs_baseline_by_hand(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    runs = _paired_runs(tmp_path)
+    result = compare(runs, "test", tmp_path / "out")
+    assert result.baseline == "base"
+    # columns in the order the labels first appear: base's round-1, then qe's bc
+    assert "| base | twx | s0, s1 | 37.5 ± 17.7 (25.0 / 50.0) | - |" in result.table
+    assert "| qe | twx | s0, s1 | 75.0 ± 0.0 (75.0 / 75.0) | 37.5 ± 17.7 (25.0 / 50.0) |" in result.table
+    # 3 better cells, 0 worse: mean 3/8 = 37.5 points, p = 2 / 2^3; per-task means 0, 50, 50, 50 -> [12.5, 50]
+    # (see test_stats); `bc` is not in the baseline, so the only row is round-1 vs round-1
+    assert result.paired_table.splitlines()[2:] == ["| qe | round-1 | 2 | 4 | +37.5 | [+12.5, +50.0] | 3 / 0 | 0.25 |"]
+    assert result.sentences == ["- **qe** (round-1; base at round-1): difference vs base: +37.5 points "
+                                "[+12.5, +50.0], p = 0.25 (3 better / 0 worse over 2 seed pair(s) x 4 tasks); "
+                                "the interval excludes zero, but the exact test does not rule out chance "
+                                "(p >= 0.05): too few tasks."]
+    text = result.path.read_text()
+    assert result.paired_table in text and result.sentences[0] in text and "![comparison](compare.png)" in text
+    # the other way round (--baseline qe): every difference changes sign, so does the interval
+    assert main(["compare", *map(str, runs), "--baseline", "qe", "--out", str(tmp_path / "o2")]) == 0
+    out = capsys.readouterr().out
+    assert "| base | round-1 | 2 | 4 | -37.5 | [-50.0, -12.5] | 0 / 3 | 0.25 |" in out
+    assert ("- **base** (round-1; qe at round-1): difference vs qe: -37.5 points [-50.0, -12.5], p = 0.25" in out)
+    # reward (= success / 2 here): every difference halves, the sign test is unchanged
+    result = compare(runs, "test", tmp_path / "o3", metric="reward")
+    assert "| qe | round-1 | 2 | 4 | +18.8 | [+6.2, +25.0] | 3 / 0 | 0.25 |" in result.paired_table
+    assert "exact sign test on the per-task score differences" in result.text
+
+
+def test_interval_including_zero_is_worded_honestly(tmp_path: Path) -> None:
+    runs = [_run(tmp_path, "a-s0", {"bc": 0.5}, outcomes={"bc": [1, 0]}),
+            _run(tmp_path, "b-s0", {"bc": 0.5}, outcomes={"bc": [0, 1]})]
+    result = compare(runs, "test", tmp_path / "out")
+    # same success, different tasks: mean 0, per-task differences -100 and +100 -> [-100, +100]
+    assert result.sentences == ["- **b** (bc; a at bc): difference vs a: +0.0 points [-100.0, +100.0], p = 1 "
+                                "(1 better / 1 worse over 1 seed pair(s) x 2 tasks); the interval includes zero: "
+                                "these runs do not show a difference at this sample size."]
+    assert "significant" not in result.text
+
+
+def test_refuses_to_pair_different_task_lists(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a = _run(tmp_path, "a-s0", {"bc": 0.5}, outcomes={"bc": [1, 0]}, env="twx", task_hash="h1")
+    b = _run(tmp_path, "b-s0", {"bc": 0.5}, outcomes={"bc": [1, 0]}, env="twx", task_hash="h2")
+    assert main(["compare", str(a), str(b), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: runs 'b-s0' and 'a-s0' were evaluated on different task lists for split 'test' "
+                          "(task hash h2 vs h1); pair only runs evaluated on the same tasks")
+    assert len(err.strip().splitlines()) == 1
+    # same hash (or none) but other task ids in the stores
+    c = _run(tmp_path, "c-s0", {"bc": 0.5}, outcomes={"bc": [1, 0, 1]}, env="twx")
+    with pytest.raises(ConfigError, match=r"'c-s0' and 'a-s0' .*\(their task ids differ\)"):
+        compare([a, c], "test", tmp_path / "o")
+
+
+def test_mixed_environments_are_labelled_and_not_paired(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a = _run(tmp_path, "a-s0", {"bc": 0.5}, outcomes={"bc": [1, 0]}, env="twx", task_hash="h1")
+    b = _run(tmp_path, "b-s0", {"bc": 0.2}, outcomes={"bc": [0, 0]}, env="alfworld", task_hash="h2")
+    assert main(["compare", str(a), str(b), "--out", str(tmp_path / "o")]) == 0
+    captured = capsys.readouterr()
+    assert "warning: this table mixes environments (twx, alfworld)" in captured.err
+    assert "| b | alfworld | s0 | 20.0 ± 0.0 (20.0) |" in captured.out
+    assert "| b | bc | not paired: different environment (alfworld vs twx) |" in captured.out
+    assert "> warning: this table mixes environments" in (tmp_path / "o" / "compare.md").read_text()
+
+
+def test_baseline_and_seed_errors(tmp_path: Path) -> None:
+    runs = _paired_runs(tmp_path)
+    with pytest.raises(ConfigError, match=r"--baseline 'bc' is not one of the arms \(base, qe\)"):
+        compare(runs, "test", tmp_path / "o", baseline="bc")
+    (tmp_path / "copy").mkdir()
+    again = _run(tmp_path / "copy", "qe-s0", {"bc": 0.5})
+    with pytest.raises(ConfigError, match="are both seed 0 of arm 'qe'; give each seed of an arm once"):
+        compare([*runs, again], "test", tmp_path / "o")
+
+
+def test_interval_and_exact_test_agreeing_say_the_interval_excludes_zero(tmp_path: Path) -> None:
+    # 10 tasks, the arm wins on 8 and loses none: p = 2 / 2^8 = 0.0078; per-task differences eight 100s and two 0s:
+    # a resample's mean is 10 * K with K ~ Binomial(10, 0.8): P(K <= 4) = 0.6%, P(K <= 5) = 3.3%, so the 2.5%
+    # quantile is 50; P(K = 10) = 11%, so the 97.5% quantile is 100
+    runs = [_run(tmp_path, "a-s0", {"bc": 0.2}, outcomes={"bc": [1, 1] + [0] * 8}),
+            _run(tmp_path, "b-s0", {"bc": 1.0}, outcomes={"bc": [1] * 10})]
+    (sentence,) = compare(runs, "test", tmp_path / "out").sentences
+    assert sentence.startswith("- **b** (bc; a at bc): difference vs a: +80.0 points [+50.0, +100.0], p = 0.0078 ")
+    assert sentence.endswith("; the interval excludes zero.")
+
+
+# -- the newcomer's small things: plain progress lines, readable Phases, recipes in `train --help` ------------------
+def test_plain_progress_lines_at_each_tenth_and_every_interval() -> None:
+    import io
+
+    from agentevo.run import ProgressBar
+
+    now = [100.0]
+    out = io.StringIO()
+    bar = ProgressBar(None, None, plain="eval bc on test", total=50, interval=30.0, clock=lambda: now[0], out=out)
+    for _ in range(12):
+        now[0] += 2.5  # 12 items in 30 s: a line at 5 and 10 (tenths), none at 12 yet
+        bar.advance()
+    assert out.getvalue().splitlines() == ["eval bc on test: 5/50 (10%) 00:12 elapsed",
+                                           "eval bc on test: 10/50 (20%) 00:25 elapsed"]
+    now[0] += 3661  # no new tenth, but over 30 s since the last line
+    bar.advance()
+    assert out.getvalue().splitlines()[-1] == "eval bc on test: 13/50 (26%) 1:01:31 elapsed"
+    bar.finish()  # nothing new since that line
+    assert len(out.getvalue().splitlines()) == 3
+    # training: update() with an unknown total prints by time only; finish() prints where it ended
+    out = io.StringIO()
+    bar = ProgressBar(None, None, plain="round 1: critic", clock=lambda: now[0], out=out)
+    bar.update(7)
+    bar.finish()
+    assert out.getvalue() == "round 1: critic: 7 00:00 elapsed\n"
+    # a quiet bar does nothing
+    ProgressBar(None, None).advance(3)
+
+
+def test_run_progress_prints_plain_lines_when_stdout_is_piped(capsys: pytest.CaptureFixture[str]) -> None:
+    from types import SimpleNamespace
+
+    from agentevo.run import Run
+
+    with Run.progress(SimpleNamespace(quiet=False), "eval bc on test", 4) as bar:  # pytest's stdout is no TTY
+        bar.advance(4)
+    assert capsys.readouterr().out == "eval bc on test: 4/4 (100%) 00:00 elapsed\n"
+    with Run.progress(SimpleNamespace(quiet=True), "eval bc on test", 4) as bar:
+        bar.advance(4)
+    assert capsys.readouterr().out == ""
+
+
+def test_report_phases_are_readable() -> None:
+    from agentevo.eval.report import format_value
+
+    value = {"loss": 0.12345678901234567, "steps": 400, "lr": 3e-05, "ok": True, "by_type": {"a": 0.5, "b": 1 / 3},
+             "curve": [0.1, 0.25, 1 / 3], "empty": {}}
+    assert format_value(value) == ("loss: 0.1235, steps: 400, lr: 3e-05, ok: True, by_type: (a: 0.5, b: 0.3333), "
+                                   "curve: [0.1, 0.25, 0.3333], empty: -")
+    assert format_value(list(range(20)), max_items=3) == "[0, 1, 2, ... (20 in all)]"
+    assert format_value(12345.678) == "1.235e+04" and format_value("done") == "done"
+
+
+def test_train_help_lists_the_recipes(capsys: pytest.CaptureFixture[str]) -> None:
+    from agentevo.recipes import RECIPES
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert "recipes: " + ", ".join(RECIPES) in out and "qevolve" in out

@@ -101,3 +101,11 @@ def test_yaml_booleans_in_string_fields_say_to_quote() -> None:
     with pytest.raises(ConfigError, match=r"got False: YAML reads yes/no.*--set \"qevolve.buffer='no'\""):
         load_config(None, ["qevolve.buffer=no"])
     assert load_config(None, ["qevolve.buffer='refresh'", "model.path=null"]).qevolve.buffer == "refresh"
+
+
+def test_a_single_string_for_a_list_of_strings_is_a_one_item_list() -> None:
+    cfg = load_config(None, ["eval.splits=dev", "tracking.report_to=none"])
+    assert cfg.eval.splits == ["dev"]
+    assert cfg.tracking.report_to == ["none"]
+    with pytest.raises(ConfigError, match="optim.betas must be a list of 2 values"):
+        load_config(None, ["optim.betas=0.9"])

@@ -8,7 +8,7 @@ import torch
 from agentevo.config import ModelConfig
 from agentevo.errors import ConfigError
 from agentevo.models import placement
-from agentevo.models.backend import load_pretrained
+from agentevo.models.backend import DamagedCheckpointError, load_pretrained
 
 
 @pytest.fixture(autouse=True)
@@ -68,6 +68,10 @@ def test_a_folder_without_a_model_or_tokenizer_is_a_config_error(tiny_policy, tm
     with pytest.raises(ConfigError, match="could not load a causal LM from .*empty"):
         load_pretrained(tmp_path / "empty")
     tiny_policy.save(tmp_path / "m")
-    (tmp_path / "m" / "tokenizer.json").unlink()  # weights without a tokenizer: transformers raises ValueError
+    (tmp_path / "m" / "tokenizer.json").unlink()
+    # its manifest lists the tokenizer: the damage is named before transformers is asked
+    with pytest.raises(DamagedCheckpointError, match="checkpoint file .*tokenizer.json is missing"):
+        load_pretrained(tmp_path / "m")
+    (tmp_path / "m" / "manifest.json").unlink()  # a folder from before manifests: transformers raises ValueError
     with pytest.raises(ConfigError, match="could not load a causal LM from .*m'"):
         load_pretrained(tmp_path / "m")

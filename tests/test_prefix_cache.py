@@ -7,18 +7,28 @@ import copy
 import pytest
 import torch
 
+from agentevo.errors import ConfigError
 from agentevo.models.backend import Sampling, TransformersPolicy
-from agentevo.models.prefix_cache import PrefixKVCache, _pick, supports_prefix_cache
+from agentevo.models.prefix_cache import PrefixKVCache, SlotKVCache, _pick, supports_prefix_cache
 
 
-@pytest.fixture()
-def pair(tiny_policy: TransformersPolicy) -> tuple[TransformersPolicy, TransformersPolicy]:
-    """The same weights behind a cached and an uncached policy."""
+@pytest.fixture(params=["slots", "prefix"])
+def pair(tiny_policy: TransformersPolicy, request) -> tuple[TransformersPolicy, TransformersPolicy]:  # noqa: ANN001
+    """The same weights behind a cached (each KV engine) and an uncached policy."""
     model = copy.deepcopy(tiny_policy.model)
-    cached = TransformersPolicy(model, tiny_policy.tokenizer, "cached", batch_size=4, prefix_cache=16)
+    cached = TransformersPolicy(model, tiny_policy.tokenizer, "cached", batch_size=4, prefix_cache=16,
+                                kv_engine=request.param)
     plain = TransformersPolicy(model, tiny_policy.tokenizer, "plain", batch_size=4, prefix_cache=0)
-    assert cached.kv_cache is not None and plain.kv_cache is None
+    assert isinstance(cached.kv_cache, SlotKVCache if request.param == "slots" else PrefixKVCache)
+    assert plain.kv_cache is None
     return cached, plain
+
+
+def _kept(cache: PrefixKVCache | SlotKVCache) -> list[list[int]]:
+    """The token sequences a cache holds keys/values for."""
+    if isinstance(cache, SlotKVCache):
+        return [t.tolist() for t in cache.tokens if len(t)]
+    return [e.tokens.tolist() for e in cache.entries.values()]
 
 
 def _episode_prompts(policy: TransformersPolicy, n: int) -> list[list[int]]:
@@ -52,12 +62,12 @@ def test_finished_sequences_are_cached_and_replace_their_prefix(pair) -> None:  
     cached, _ = pair
     prompt = _episode_prompts(cached, 1)[0]
     gen = cached.generate([prompt], Sampling(temperature=0.0, max_new_tokens=4))[0]
-    (entry,) = cached.kv_cache.entries.values()
-    assert entry.tokens.tolist() == prompt + gen.token_ids[:-1]  # the last token was never fed in
-    assert entry.kv[0][0].shape[1] == len(prompt) + len(gen.token_ids) - 1
+    assert _kept(cached.kv_cache) == [prompt + gen.token_ids[:-1]]  # the last token was never fed in
+    if isinstance(cached.kv_cache, PrefixKVCache):
+        assert next(iter(cached.kv_cache.entries.values())).kv[0][0].shape[1] == len(prompt) + len(gen.token_ids) - 1
     longer = prompt + gen.token_ids + prompt[:3]
     cached.generate([longer], Sampling(temperature=0.0, max_new_tokens=4))
-    assert len(cached.kv_cache.entries) == 1  # the entry it grew from was dropped
+    assert len(_kept(cached.kv_cache)) == 1  # the entry it grew from was dropped (extended in place)
     assert cached.kv_cache.hits == len(prompt) + len(gen.token_ids) - 1
 
 
@@ -66,13 +76,13 @@ def test_weight_changes_clear_the_cache(pair) -> None:  # noqa: ANN001
     greedy = Sampling(temperature=0.0, max_new_tokens=5)
     prompts = _episode_prompts(cached, 3)
     cached.generate(prompts, greedy)
-    assert len(cached.kv_cache.entries) == 3
+    assert len(_kept(cached.kv_cache)) == 3
     optimizer = torch.optim.SGD(cached.model.parameters(), lr=0.5)
     loss = cached.model(input_ids=torch.tensor([prompts[0]]), labels=torch.tensor([prompts[0]])).loss
     loss.backward()
     optimizer.step()
     cached.kv_cache.check_weights()
-    assert not cached.kv_cache.entries
+    assert not _kept(cached.kv_cache)
     cached.generate(prompts, greedy)
     with torch.no_grad():  # an edit through .data does not move the version counter; the value sample sees it
         next(cached.model.parameters()).data.mul_(1.5)
@@ -108,15 +118,17 @@ def test_sliding_window_models_fall_back_to_generate(tiny_policy: TransformersPo
 
 
 def test_rows_that_stop_early_leave_the_batch_without_changing_the_others(pair) -> None:  # noqa: ANN001
-    from agentevo.models.prefix_cache import generate_cached
+    from agentevo.models.prefix_cache import generate_cached, generate_slots
 
     cached, _ = pair
+    slots = isinstance(cached.kv_cache, SlotKVCache)
+    run, make = (generate_slots, SlotKVCache) if slots else (generate_cached, PrefixKVCache)
     prompts = _episode_prompts(cached, 6)
     args = (0.0, 1.0, 0, )
-    free = generate_cached(cached.model, PrefixKVCache(cached.model), prompts, 10, *args, [-1], cached.pad_id)
+    free = run(cached.model, make(cached.model), prompts, 10, *args, [-1], cached.pad_id)
     # stop at a token row 0 produces third: rows end at different steps (or run to the limit)
     stop = free[0][0][2]
-    stopped = generate_cached(cached.model, PrefixKVCache(cached.model), prompts, 10, *args, [stop], cached.pad_id)
+    stopped = run(cached.model, make(cached.model), prompts, 10, *args, [stop], cached.pad_id)
     lengths = set()
     for (ids, logps), (want_ids, want_logps) in zip(stopped, free, strict=True):
         cut = want_ids.index(stop) + 1 if stop in want_ids else len(want_ids)
@@ -148,3 +160,118 @@ def test_byte_budget_evicts_oldest(tiny_policy: TransformersPolicy) -> None:
     assert [e.tokens[0].item() for e in cache.entries.values()] == [1, 2] and cache.bytes == 96
     cache.clear()
     assert cache.bytes == 0
+
+
+# -- the slot engine: persistent rows extended in place ------------------------------------------------------------
+
+
+def _slots(tiny_policy: TransformersPolicy, capacity: int = 16, batch_size: int = 8, attn: str | None = None
+           ) -> tuple[TransformersPolicy, TransformersPolicy]:
+    model = copy.deepcopy(tiny_policy.model)
+    if attn is not None:
+        model.config._attn_implementation = attn
+    cached = TransformersPolicy(model, tiny_policy.tokenizer, "s", batch_size=batch_size, prefix_cache=capacity)
+    return cached, TransformersPolicy(model, tiny_policy.tokenizer, "g", batch_size=batch_size, prefix_cache=0)
+
+
+def test_slot_rows_continue_in_place_without_copies(tiny_policy: TransformersPolicy) -> None:
+    cached, plain = _slots(tiny_policy)
+    cache = cached.kv_cache
+    assert isinstance(cache, SlotKVCache)
+    greedy = Sampling(temperature=0.0, max_new_tokens=5)
+    prompts = _episode_prompts(cached, 6)
+    observation = cached.tokenizer.encode(" Observation: ok.", add_special_tokens=False)
+    for turn in range(3):
+        hits = cache.hits
+        got = cached.generate(prompts, greedy)
+        assert [g.token_ids for g in got] == [w.token_ids for w in plain.generate(prompts, greedy)]
+        if turn > 0:  # every episode's history (all but its last reply token) came from its own row, uncopied
+            assert cache.hits - hits == sum(len(p) - len(observation) - 1 for p in prompts)
+        assert cache.copied == 0 and cache.rows == 6
+        prompts = [p + g.token_ids + observation for p, g in zip(prompts, got, strict=True)]
+
+
+def test_sampled_logprobs_are_the_models_own(tiny_policy: TransformersPolicy) -> None:
+    """Behaviour log-probs of sampled tokens equal a plain forward's over prompt + reply (raw, untempered)."""
+    cached, _ = _slots(tiny_policy)
+    model = cached.model
+    prompts = _episode_prompts(cached, 4)
+    for turn, sampling in enumerate([Sampling(temperature=1.3, top_p=0.9, max_new_tokens=6, seed=3),
+                                     Sampling(temperature=0.7, top_k=5, max_new_tokens=6, seed=4)]):
+        gens = cached.generate(prompts, sampling)
+        for p, g in zip(prompts, gens, strict=True):
+            ids = torch.tensor([p + g.token_ids])
+            with torch.no_grad():
+                logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
+            want = [float(logp[len(p) - 1 + j, tok]) for j, tok in enumerate(g.token_ids)]
+            assert g.logprobs == pytest.approx(want, abs=1e-4), turn
+        prompts = [p + g.token_ids + p[:3] for p, g in zip(prompts, gens, strict=True)]
+    assert cached.kv_cache.hits > 0
+
+
+def test_a_prompt_whose_row_is_taken_forks_a_copy(tiny_policy: TransformersPolicy) -> None:
+    cached, plain = _slots(tiny_policy)
+    greedy = Sampling(temperature=0.0, max_new_tokens=4)
+    prompt = _episode_prompts(cached, 2)[1]
+    first = cached.generate([prompt], greedy)[0]
+    group = [prompt + first.token_ids + prompt[:2]] * 3  # a GRPO group: one history, three continuations
+    got = cached.generate(group, greedy)
+    assert [g.token_ids for g in got] == [w.token_ids for w in plain.generate(group, greedy)]
+    kept = len(prompt) + len(first.token_ids) - 1
+    assert cached.kv_cache.copied == 2 * kept  # one continues in place, two copy the history
+    assert cached.kv_cache.hits == 3 * kept
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_slots_match_generate_with_more_prompts_than_capacity(tiny_policy: TransformersPolicy, attn: str) -> None:
+    cached, plain = _slots(tiny_policy, capacity=2, batch_size=8, attn=attn)
+    assert isinstance(cached.kv_cache, SlotKVCache)
+    greedy = Sampling(temperature=0.0, max_new_tokens=5)
+    prompts = _episode_prompts(cached, 5)
+    for _ in range(2):
+        got = cached.generate(prompts, greedy)
+        assert [g.token_ids for g in got] == [w.token_ids for w in plain.generate(prompts, greedy)]
+        prompts = [p + g.token_ids + p[:2] for p, g in zip(prompts, got, strict=True)]
+    assert cached.kv_cache.rows == 5  # grown to the call's prompts, past capacity
+
+
+def test_slot_engine_needs_a_mask_taking_attention(tiny_policy: TransformersPolicy) -> None:
+    model = copy.deepcopy(tiny_policy.model)
+    model.config._attn_implementation = "flex_attention"
+    policy = TransformersPolicy(model, tiny_policy.tokenizer, "f", prefix_cache=4)
+    assert isinstance(policy.kv_cache, PrefixKVCache)
+    with pytest.raises(ConfigError, match="kv_engine must be 'slots' or 'prefix' \\(got 'fast'\\)"):
+        TransformersPolicy(model, tiny_policy.tokenizer, "f", kv_engine="fast")
+
+
+def test_slots_under_bf16_autocast_keep_bf16_rows(tiny_policy: TransformersPolicy) -> None:
+    cached, _ = _slots(tiny_policy)
+    prompts = _episode_prompts(cached, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        gens = cached.generate(prompts, Sampling(temperature=0.0, max_new_tokens=4))
+        again = cached.generate([p + g.token_ids for p, g in zip(prompts, gens, strict=True)],
+                                Sampling(temperature=0.0, max_new_tokens=4))
+    assert cached.kv_cache.keys[0].dtype == torch.bfloat16
+    assert cached.kv_cache.hits == sum(len(p) + len(g.token_ids) - 1 for p, g in zip(prompts, gens, strict=True))
+    assert all(-1e9 < lp <= 0.0 for g in gens + again for lp in g.logprobs)
+    cached.generate(prompts, Sampling(temperature=0.0, max_new_tokens=2))  # fp32 again: the rows are rebuilt
+    assert cached.kv_cache.keys[0].dtype == torch.float32
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_slots_match_generate_with_grouped_query_attention(tiny_policy: TransformersPolicy, attn: str) -> None:
+    from transformers import LlamaForCausalLM
+
+    config = copy.deepcopy(tiny_policy.model.config)
+    config.num_attention_heads, config.num_key_value_heads, config._attn_implementation = 4, 2, attn
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    cached = TransformersPolicy(model, tiny_policy.tokenizer, "s", batch_size=8, prefix_cache=8)
+    plain = TransformersPolicy(model, tiny_policy.tokenizer, "g", batch_size=8, prefix_cache=0)
+    greedy = Sampling(temperature=0.0, max_new_tokens=5)
+    prompts = _episode_prompts(cached, 4)
+    for _ in range(2):
+        got = cached.generate(prompts, greedy)
+        assert [g.token_ids for g in got] == [w.token_ids for w in plain.generate(prompts, greedy)]
+        prompts = [p + g.token_ids + p[:2] for p, g in zip(prompts, got, strict=True)]
+    assert cached.kv_cache.keys[0].shape[1] == 2 and cached.kv_cache.hits > 0

@@ -1,6 +1,7 @@
-"""Ray env workers: same trajectories as the thread pool, a killed worker is replaced and its episode replayed.
+"""Ray env workers: same trajectories as the thread pool, a killed or hung worker is replaced and its episode replayed.
 
-The tests that start Ray are slow (`pytest -m slow tests/test_scale_ray.py`): Ray itself takes 10-30 s to start.
+These run in the default suite (`make test` installs the `ray` extra): one local Ray for the whole module, two CPUs,
+no dashboard; starting it is most of the module's time (about 10 s on a loaded 2-core machine).
 """
 
 from __future__ import annotations
@@ -8,9 +9,12 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
+from agentevo.envs import ENVIRONMENTS
 from agentevo.errors import ConfigError, EnvCrashedError, MissingDependencyError
 from agentevo.models.backend import Sampling
 from agentevo.rollout.engine import EpisodeRequest, PolicyActor, run_episodes
@@ -26,9 +30,17 @@ ENV_PARAMS = {"n_train": 8}
 @pytest.fixture(scope="module")
 def local_ray():  # noqa: ANN201
     """A local Ray with 2 CPUs for this module (started once: Ray takes seconds to come up)."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # Ray's worker processes inherit this environment: they import test_faults_timeouts (HangEnv) from tests/.
+    old_path = os.environ.get("PYTHONPATH")
+    here = str(Path(__file__).resolve().parent)
+    os.environ["PYTHONPATH"] = here if not old_path else here + os.pathsep + old_path
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=80 * 1024**2)
     yield
     ray.shutdown()
+    if old_path is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = old_path
 
 
 def _tasks(env, n: int, max_steps: int):  # noqa: ANN001, ANN202
@@ -43,7 +55,6 @@ def _play(policy, env, tasks, pool):  # noqa: ANN001, ANN202
     return run_episodes(actor, pool, [EpisodeRequest(t, k) for k, t in enumerate(tasks)], env)
 
 
-@pytest.mark.slow  # starting Ray takes 10-30 s on 2 cores
 def test_ray_pool_gives_the_thread_pools_trajectories(tiny_policy, twx_env, local_ray) -> None:  # noqa: ANN001
     tasks = _tasks(twx_env, 4, 3)
     threads = make_pool("twx-cookingworld", ENV_PARAMS, 2, "thread")
@@ -66,7 +77,6 @@ def test_ray_pool_gives_the_thread_pools_trajectories(tiny_policy, twx_env, loca
             [(s.action_ids, s.next_obs, s.reward, s.done) for s in b.steps]
 
 
-@pytest.mark.slow  # starting Ray takes 10-30 s on 2 cores
 def test_worker_killed_mid_round_is_replaced_and_the_round_completes(tiny_policy, twx_env, local_ray) -> None:  # noqa: ANN001
     tasks = _tasks(twx_env, 4, 3)
     pool = RayEnvPool("twx-cookingworld", ENV_PARAMS, 2)
@@ -95,7 +105,6 @@ def test_worker_killed_mid_round_is_replaced_and_the_round_completes(tiny_policy
     assert replacement != victim["pid"]
 
 
-@pytest.mark.slow  # starting Ray takes 10-30 s on 2 cores
 def test_env_errors_come_back_as_values(local_ray) -> None:  # noqa: ANN001
     pool = RayEnvPool("twx-cookingworld", ENV_PARAMS, 1, num_cpus=0.5)
     try:
@@ -117,7 +126,6 @@ def _ray_wired() -> bool:
     return True
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not _ray_wired(), reason="rollout.workers = ray is not in agentevo/config.py / make_pool yet")
 def test_rollout_workers_ray_builds_a_ray_pool(local_ray) -> None:  # noqa: ANN001
     pool = make_pool("twx-cookingworld", ENV_PARAMS, 1, "ray")
@@ -131,3 +139,32 @@ def test_missing_ray_names_the_extra(monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.setitem(sys.modules, "ray", None)
     with pytest.raises(MissingDependencyError, match=r"pip install 'agentevo\[ray\]'"):
         RayEnvPool("twx-cookingworld", ENV_PARAMS, 1)
+
+
+def test_hung_worker_is_killed_and_past_max_retries_recorded(local_ray, monkeypatch, tmp_path) -> None:  # noqa: ANN001
+    """Task 0 hangs at its first step twice: killed, retried once, then recorded as errored; task 1 is played."""
+    from test_faults_timeouts import HANG_ENV, HangEnv, WaitActor
+
+    monkeypatch.setitem(ENVIRONMENTS, HANG_ENV, (HangEnv.__module__, "HangEnv", "a fake env that hangs"))
+    pool = RayEnvPool(HANG_ENV, {"marker_dir": str(tmp_path), "hang_at": 1, "hangs": 2, "hang_task": 0},
+                      2, num_cpus=0.5, step_timeout_s=2.0)
+    tasks = list(HangEnv(n_tasks=2).tasks("train"))
+    try:
+        victim = pool.worker_pid(0)
+        t0 = time.monotonic()
+        errored, fine = run_episodes(WaitActor(), pool, [EpisodeRequest(t, k) for k, t in enumerate(tasks)],
+                                     HangEnv(), max_retries=1)
+        elapsed = time.monotonic() - t0
+        replacement = pool.worker_pid(0)
+    finally:
+        pool.close()
+    assert elapsed < 30  # two 2 s timeouts and actor restarts, not forever
+    assert len(list(tmp_path.glob("hang*"))) == 2  # hung on the first try and on the retry
+    assert errored.steps == [] and errored.meta["retries"] == 1
+    assert errored.meta["error"].startswith("hang-test worker 0: step gave no answer within rollout.step_timeout_s = 2 s")
+    assert fine.length == 3 and fine.meta["retries"] == 0 and "error" not in fine.meta
+    assert replacement != victim
+    with pytest.raises(ProcessLookupError):  # the hung actor's process was killed (Ray reaps its workers)
+        for _ in range(50):  # ray.kill is asynchronous
+            os.kill(victim, 0)
+            time.sleep(0.1)

@@ -8,7 +8,10 @@ Assistant spans are therefore known from token positions by construction.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from agentevo.errors import ConfigError
 
 _SENTINEL = "\u2063AGENTEVO_ASSISTANT_{}\u2063"
 
@@ -19,6 +22,38 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )
+
+
+def load_chat_template(path: str | Path) -> str:
+    """The text of a Jinja chat-template file (model.chat_template), checked to parse; ConfigError otherwise."""
+    import jinja2
+
+    try:
+        text = Path(path).expanduser().read_text()
+    except (OSError, UnicodeDecodeError, RuntimeError, ValueError) as exc:  # RuntimeError: '~nobody', ValueError: NUL
+        raise ConfigError(f"model.chat_template {str(path)!r} cannot be read ({exc.__class__.__name__}); give a "
+                          "Jinja file such as the chat_template.jinja of a model folder, or null") from None
+    if not text.strip():
+        raise ConfigError(f"model.chat_template {str(path)!r} is empty; give a Jinja chat template, or null")
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ConfigError(f"model.chat_template {str(path)!r} is not a valid Jinja template ({exc.message} at line "
+                          f"{exc.lineno}); fix the file, or set model.chat_template to null") from None
+    return text
+
+
+def use_chat_template(tokenizer: Any, path: str | Path) -> None:
+    """Replace the tokenizer's chat template with the file's; it is saved with every checkpoint of the tokenizer,
+    so later loads render the same way."""
+    import jinja2
+
+    text = load_chat_template(path)
+    tokenizer.chat_template = text
+    try:
+        ChatRenderer(tokenizer)  # probes the end-of-turn token: a template that cannot frame replies fails here
+    except (ValueError, jinja2.TemplateError) as exc:
+        raise ConfigError(f"model.chat_template {str(path)!r} cannot be used: {exc}") from None
 
 
 @dataclass

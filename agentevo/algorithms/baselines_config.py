@@ -17,20 +17,20 @@ from agentevo.options import option
 class ETOConfig:
     """ETO: DPO on expert-vs-agent trajectory pairs, iterated."""
 
-    n_iters: int = option("exploration + DPO iterations [P:ETO run_eto.sh: 3]", 3)
-    explore_temperature: float = option("sampling temperature of the exploration rollouts [P:ETO 0.7]", 0.7)
-    explore_top_p: float = option("nucleus sampling of the exploration rollouts [O: off]", 1.0)
+    n_iters: int = option("exploration + DPO iterations [P:ETO run_eto.sh: 3]", 3, ge=1)
+    explore_temperature: float = option("sampling temperature of the exploration rollouts [P:ETO 0.7]", 0.7, gt=0)
+    explore_top_p: float = option("nucleus sampling of the exploration rollouts [O: off]", 1.0, gt=0, le=1)
     rejected_extra_turns: int | None = option(
         "a rejected agent trajectory is cut to the expert's length + this many turns; null = never cut "
-        "[P:ETO construct_preference.py: 5 for WebShop/SciWorld, none for ALFWorld]", 5)
-    beta: float = option("DPO beta of the first iteration [P:ETO 0.1]", 0.1)
-    beta_later: float = option("DPO beta of iterations 2.. [P:ETO 0.5]", 0.5)
-    lr: float = option("DPO learning rate of the first iteration [P:ETO 1e-6]", 1e-6)
-    lr_later: float = option("DPO learning rate of iterations 2.. [P:ETO 5e-7]", 5e-7)
-    epochs: float = option("DPO epochs over the pairs of one iteration [P:ETO 3]", 3.0)
-    batch_size: int = option("pairs per optimiser step [P:ETO 32]", 32)
-    micro_batch_size: int = option("pairs per forward/backward [O; ETO uses 2 per GPU]", 2)
-    warmup_ratio: float = option("warmup fraction of the constant-with-warmup schedule [P:ETO 0.1]", 0.1)
+        "[P:ETO construct_preference.py: 5 for WebShop/SciWorld, none for ALFWorld]", 5, ge=0)
+    beta: float = option("DPO beta of the first iteration [P:ETO 0.1]", 0.1, gt=0)
+    beta_later: float = option("DPO beta of iterations 2.. [P:ETO 0.5]", 0.5, gt=0)
+    lr: float = option("DPO learning rate of the first iteration [P:ETO 1e-6]", 1e-6, gt=0)
+    lr_later: float = option("DPO learning rate of iterations 2.. [P:ETO 5e-7]", 5e-7, gt=0)
+    epochs: float = option("DPO epochs over the pairs of one iteration [P:ETO 3]", 3.0, gt=0)
+    batch_size: int = option("pairs per optimiser step [P:ETO 32]", 32, ge=1)
+    micro_batch_size: int = option("pairs per forward/backward [O; ETO uses 2 per GPU]", 2, ge=1)
+    warmup_ratio: float = option("warmup fraction of the constant-with-warmup schedule [P:ETO 0.1]", 0.1, ge=0, lt=1)
     schedule: str = option("learning-rate shape after warmup: constant or cosine [P:ETO constant_with_warmup]",
                            "constant")
 
@@ -68,41 +68,43 @@ class QLASSConfig:
 
     # 1. exploration trees
     n_tree_tasks: int | None = option("training tasks that get a tree (null = every training task) [P:QLASS all]",
-                                      None)
+                                      None, ge=1)
     tree_tasks: str = option("which n_tree_tasks: 'first' n, or 'spread' evenly over the training list (which is "
                              "ordered by task type for ScienceWorld / ALFWorld) [O]", "first")
-    max_depth: int = option("branching happens at steps 1..max_depth [P:QLASS explore script 8]", 8)
-    samples_per_depth: int = option("children per expanded node [P:QLASS explore script 2]", 2)
+    max_depth: int = option("branching happens at steps 1..max_depth [P:QLASS explore script 8]", 8, ge=1)
+    samples_per_depth: int = option("children per expanded node [P:QLASS explore script 2]", 2, ge=1)
     min_prune_depth: int = option(
         "a successful rollout's own nodes are expanded only when it starts at this step or deeper "
-        "[P:QLASS explore script 3]", 3)
+        "[P:QLASS explore script 3]", 3, ge=0)
     prune_reward: float = option("a rollout's nodes are expanded only when its reward exceeds this [P:QLASS 0.01]",
                                  0.01)
-    explore_temperature: float = option("exploratory sampling temperature [P:QLASS 2.0]", 2.0)
-    explore_top_k: int = option("exploratory top-k [P:QLASS 10]", 10)
-    explore_top_p: float = option("exploratory top-p [P:QLASS 0.5]", 0.5)
+    explore_temperature: float = option("exploratory sampling temperature [P:QLASS 2.0]", 2.0, gt=0)
+    explore_top_k: int = option("exploratory top-k [P:QLASS 10]", 10, ge=1)
+    explore_top_p: float = option("exploratory top-p [P:QLASS 0.5]", 0.5, gt=0, le=1)
     diversity_prompt: bool = option(
         "ask for a reply different from the node's existing children when branching [P:QLASS]", True)
     expert_branches: bool = option(
         "add the expert trajectory to its task's tree and branch one rollout off each of its first "
         "max_depth-1 steps [P:QLASS explore_sft_agent.py]", True)
     # 2. Q labels
-    gamma: float = option("discount of the tree Bellman backup Q(n) = r(n) + gamma max_c Q(c) [P:QLASS 0.9]", 0.9)
+    gamma: float = option("discount of the tree Bellman backup Q(n) = r(n) + gamma max_c Q(c) [P:QLASS 0.9]",
+                          0.9, ge=0, le=1)
     max_nodes_per_tree: int | None = option(
-        "QNet training nodes sampled per tree (null = all) [P:QLASS construct_q_data.py upper_num 300]", 300)
+        "QNet training nodes sampled per tree (null = all) [P:QLASS construct_q_data.py upper_num 300]", 300, ge=1)
     # 3. QNet
-    head_hidden: int = option("QNet MLP width: h -> head_hidden -> head_hidden -> 1 [P:QLASS 1024]", 1024)
+    head_hidden: int = option("QNet MLP width: h -> head_hidden -> head_hidden -> 1 [P:QLASS 1024]", 1024, ge=1)
     loss_tokens: str = option(
         "tokens regressed to the node label: 'all' (every token of the sequence) or 'reply' (the node's reply) "
         "[P:QLASS all]", "all")
-    lr: float = option("QNet learning rate [P:QLASS 2e-5]", 2e-5)
-    epochs: float = option("QNet epochs [P:QLASS 2]", 2.0)
-    batch_size: int = option("QNet nodes per optimiser step [P:QLASS 64]", 64)
-    micro_batch_size: int = option("QNet nodes per forward/backward [O]", 8)
-    warmup_ratio: float = option("QNet warmup fraction (then cosine) [P:QLASS 0.03]", 0.03)
+    lr: float = option("QNet learning rate [P:QLASS 2e-5]", 2e-5, gt=0)
+    epochs: float = option("QNet epochs [P:QLASS 2]", 2.0, gt=0)
+    batch_size: int = option("QNet nodes per optimiser step [P:QLASS 64]", 64, ge=1)
+    micro_batch_size: int = option("QNet nodes per forward/backward [O]", 8, ge=1)
+    warmup_ratio: float = option("QNet warmup fraction (then cosine) [P:QLASS 0.03]", 0.03, ge=0, lt=1)
     # 4. Q-guided inference
-    n_candidates: int = option("candidate actions per step at inference [P:QLASS eval script best_of_N 2]", 2)
-    candidate_temperature: float = option("sampling temperature of the candidates [P:QLASS sglang config 0.7]", 0.7)
+    n_candidates: int = option("candidate actions per step at inference [P:QLASS eval script best_of_N 2]", 2, ge=1)
+    candidate_temperature: float = option("sampling temperature of the candidates [P:QLASS sglang config 0.7]",
+                                          0.7, gt=0)
     terminal_uses_reward: bool = option(
         "a candidate that ends the episode is valued by the env reward instead of the QNet "
         "[P:QLASS q_guided_inference.py]", True)

@@ -140,19 +140,35 @@ def dpo_loss_fn(beta: float) -> Any:
 
 
 @torch.no_grad()
-def fill_reference(model: Any, pairs: list[PreferencePair], pad_id: int, micro_batch_size: int) -> None:
-    """Set each pair's reference sums from the model as it is now (π_ref = the current policy)."""
+def pair_logps(model: Any, pairs: list[PreferencePair], pad_id: int, micro_batch_size: int) -> list[list[float]]:
+    """[Σ log π(chosen), Σ log π(rejected)] of every pair under the model as it is now."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
+    out: list[list[float]] = []
     for start in range(0, len(pairs), micro_batch_size):
-        chunk = pairs[start : start + micro_batch_size]
-        batch = collate_pairs(chunk, pad_id)
+        batch = collate_pairs(pairs[start : start + micro_batch_size], pad_id)
         batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-        seq = sequence_logps(model, batch).cpu()
-        for pair, (c, r) in zip(chunk, seq.tolist(), strict=True):
-            pair.ref_chosen, pair.ref_rejected = c, r
+        out += sequence_logps(model, batch).cpu().tolist()
     model.train(was_training)
+    return out
+
+
+def fill_reference(model: Any, pairs: list[PreferencePair], pad_id: int, micro_batch_size: int) -> None:
+    """Set each pair's reference sums from the model as it is now (π_ref = the current policy)."""
+    for pair, (c, r) in zip(pairs, pair_logps(model, pairs, pad_id, micro_batch_size), strict=True):
+        pair.ref_chosen, pair.ref_rejected = c, r
+
+
+def dpo_diagnostics(pairs: list[PreferencePair], after: list[list[float]], beta: float) -> dict[str, float]:
+    """After DPO: mean reward margin β[(Δchosen) − (Δrejected)], its accuracy, and the mean log-prob drift
+    log π − log π_ref of the chosen and of the rejected trajectories (diagnostics.eto_dpo)."""
+    d_c = [c - p.ref_chosen for p, (c, _) in zip(pairs, after, strict=True)]
+    d_r = [r - p.ref_rejected for p, (_, r) in zip(pairs, after, strict=True)]
+    n = max(1, len(pairs))
+    return {"reward_margin": beta * sum(c - r for c, r in zip(d_c, d_r, strict=True)) / n,
+            "reward_accuracy": sum(c > r for c, r in zip(d_c, d_r, strict=True)) / n,
+            "chosen_logp_drift": sum(d_c) / n, "rejected_logp_drift": sum(d_r) / n}
 
 
 def train_dpo(run: Any, policy: TransformersPolicy, specs: list[PairSpec], iteration: int,
@@ -172,8 +188,12 @@ def train_dpo(run: Any, policy: TransformersPolicy, specs: list[PairSpec], itera
         micro_batch_size=eto.micro_batch_size, warmup_ratio=eto.warmup_ratio,
     )
     stats = finetune(run, policy, pairs, dpo_loss_fn(beta), name, optim=optim, seed=cfg.seed + iteration,
-                     log_phase=f"eto/iter-{iteration}/train", collate_fn=collate_pairs, schedule=eto.schedule)
-    return {**stats, "beta": beta, "lr": optim.lr}
+                     log_phase=f"eto/iter-{iteration}/train", collate_fn=collate_pairs, schedule=eto.schedule,
+                     reload_after=True)
+    # Premise check: did DPO separate the pairs without pushing the chosen trajectories down?
+    diag = dpo_diagnostics(pairs, pair_logps(policy.model, pairs, policy.pad_id, eto.micro_batch_size), beta)
+    run.logger.log("diag/eto", iteration, diag)
+    return {**stats, "beta": beta, "lr": optim.lr, "diag": diag}
 
 
 # -- the recipe ----------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import random
 import shutil
 import time
@@ -43,9 +44,16 @@ from agentevo.algorithms.grpo_config import GRPOConfig
 from agentevo.data.tensors import StepSample, collate, trajectory_samples
 from agentevo.data.types import Step, Trajectory
 from agentevo.envs.base import Task
-from agentevo.errors import ConfigError
+from agentevo.errors import AgentevoError, ConfigError
+from agentevo.eval import diagnostics
 from agentevo.eval.metrics import summarize
-from agentevo.models.backend import Sampling, TransformersPolicy
+from agentevo.models.backend import (
+    DamagedCheckpointError,
+    Sampling,
+    TransformersPolicy,
+    verify_manifest,
+    write_manifest,
+)
 from agentevo.models.policy import with_lora
 from agentevo.rollout.engine import EpisodeRequest, PolicyActor
 
@@ -292,6 +300,7 @@ class PolicyTrainer:
         self.policy.tokenizer.save_pretrained(tmp / "model")
         torch.save({"optimizer": self.optimizer.state_dict()}, tmp / "optimizer.pt")
         (tmp / "state.json").write_text(json.dumps(state))
+        write_manifest(tmp)
         if path.exists():
             old = path.with_name(path.name + ".old")
             if old.exists():
@@ -303,11 +312,32 @@ class PolicyTrainer:
             os.replace(tmp, path)
 
     def restore(self, path: Path) -> dict[str, Any] | None:
-        """Load weights and optimiser from a save() folder; returns its state, or None when there is none."""
+        """Load weights and optimiser from a save() folder; returns its state, or None when there is none.
+
+        The files are checked against the folder's manifest first and optimizer.pt is read with weights_only=True
+        (nothing in it runs); a damaged or refused checkpoint is a one-line error, since the updates it stands
+        for are already recorded in state.json and cannot be replayed from an earlier point.
+        """
         if not (path / "state.json").exists():
             return None
         from safetensors.torch import load_file
 
+        fix = (f"move {path} aside and restore it from a copy, or start the run again; the recorded updates need "
+               "these weights")
+        try:
+            verify_manifest(path)
+        except DamagedCheckpointError as exc:
+            raise AgentevoError(f"{exc} ({fix})") from None
+        try:
+            blob = torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu")
+            state = json.loads((path / "state.json").read_text())
+        except pickle.UnpicklingError:
+            raise AgentevoError(f"refusing to load {path / 'optimizer.pt'}: it holds objects other than tensors and "
+                                f"plain values, so it is damaged or was crafted (loading it could run code); {fix}"
+                                ) from None
+        except (OSError, RuntimeError, ValueError, EOFError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise AgentevoError(f"checkpoint {path} is damaged ({first}); {fix}") from None
         if self.lora:
             from peft import set_peft_model_state_dict
 
@@ -317,8 +347,8 @@ class PolicyTrainer:
                                                              strict=False)
             if unexpected or [k for k in missing if "lm_head" not in k]:
                 raise RuntimeError(f"{path} does not match the policy (missing {missing}, unexpected {unexpected})")
-        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False)["optimizer"])
-        return json.loads((path / "state.json").read_text())
+        self.optimizer.load_state_dict(blob["optimizer"])
+        return state
 
     def export(self, path: Path) -> None:
         """A plain save_pretrained folder of the current policy (LoRA merged into a copy) for `agentevo eval`."""
@@ -408,6 +438,20 @@ def acting_policy(run: Any, trainer: PolicyTrainer, k: int) -> Any:
     return run.rollout_policy(name, policy_id=f"update-{k - 1}")
 
 
+DIAG_KEYS = ("zero_var_frac", "kl", "clip_frac_low", "clip_frac_high", "guide_agreement", "guide_steps")
+
+
+def update_diagnostics(record: dict[str, Any]) -> dict[str, Any]:
+    """The numbers of diagnostics.policy_update (and Self-Guide's agreement) out of an update's record."""
+    return {k: record[k] for k in DIAG_KEYS if record.get(k) is not None}
+
+
+def group_diagnostics(groups: Sequence[Sequence[Trajectory]], cfg: GRPOConfig) -> dict[str, Any]:
+    """Fraction of groups whose returns (as the advantages see them) are all equal: no GRPO signal."""
+    frac = diagnostics.zero_variance_fraction([group_returns(g, cfg).tolist() for g in groups])
+    return {} if frac is None else {"zero_var_frac": frac}
+
+
 @dataclass
 class Labelled:
     """One update's rollouts and training rows (with per-token advantages), and method-specific log fields."""
@@ -468,6 +512,8 @@ def run_updates(
                     }
                     record = dist.broadcast(record)  # rank 0's timings on every rank
                     run.logger.log(loop.log_name, k, record)
+                    # Premise diagnostics of the update under fixed names (diag/grpo, diag/selfguide).
+                    run.logger.log(f"diag/{loop.log_name.split('/')[0]}", k, update_diagnostics(record))
                     if run.main:
                         loop.trainer.save(loop.latest, {"update": k, "record": record})
                     dist.barrier()
@@ -519,6 +565,7 @@ def run(run: Any) -> dict[str, Any]:
         out = Labelled(trajs, t_rollout)
         groups = split_groups(trajs)
         out.extra["groups"] = len(groups)
+        out.extra.update(group_diagnostics(groups, g))
         for group in groups:
             adv = outcome_advantages(group_returns(group, g), g)
             if adv is None:

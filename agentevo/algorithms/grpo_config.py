@@ -32,32 +32,34 @@ class GRPOConfig:
     """GRPO for multi-turn agents (and its DAPO variant): G trajectories per task, outcome advantages."""
 
     algo: str = option("'grpo' (symmetric clip) or 'dapo' (clip-higher + drop all-equal groups) [P:DAPO]", "grpo")
-    n_updates: int = option("policy updates K_tot (one rollout batch each) [O]", 20)
-    tasks_per_update: int = option("training tasks per update, taken in order and cycling [O: 16]", 16)
-    group_size: int = option("trajectories per task G [O: 8, RSD's GRPO baseline / verl-agent]", 8)
-    temperature: float = option("rollout sampling temperature [O: 1.0, verl-agent]", 1.0)
-    top_p: float = option("rollout nucleus sampling [O: 1.0]", 1.0)
-    eps_low: float = option("lower clip eps_low [P:DAPO 0.2]", 0.2)
-    eps_high: float | None = option("upper clip eps_high; null = 0.2 for grpo, 0.28 for dapo [P:DAPO]", None)
+    n_updates: int = option("policy updates K_tot (one rollout batch each) [O]", 20, ge=1)
+    tasks_per_update: int = option("training tasks per update, taken in order and cycling [O: 16]", 16, ge=1)
+    group_size: int = option("trajectories per task G [O: 8, RSD's GRPO baseline / verl-agent]", 8, ge=2)
+    temperature: float = option("rollout sampling temperature [O: 1.0, verl-agent]", 1.0, gt=0)
+    top_p: float = option("rollout nucleus sampling [O: 1.0]", 1.0, gt=0, le=1)
+    eps_low: float = option("lower clip eps_low [P:DAPO 0.2]", 0.2, ge=0, lt=1)
+    eps_high: float | None = option("upper clip eps_high; null = 0.2 for grpo, 0.28 for dapo [P:DAPO]", None, ge=0)
     drop_equal_groups: bool | None = option(
         "drop groups whose rewards are all equal (DAPO dynamic sampling, no refill); null = true for dapo only", None)
-    beta_kl: float = option("weight of the k3 KL to the reference (the BC policy) [O: 0.01]", 0.01)
+    beta_kl: float = option("weight of the k3 KL to the reference (the BC policy) [O: 0.01]", 0.01, ge=0)
     loss_agg: str = option("loss aggregation: token-mean | seq-mean-token-mean | seq-mean-token-sum [P:DAPO token-mean]",
                            "token-mean")
-    lr: float = option("policy learning rate, constant [O: 1e-6 full FT of a 7B model; raise it for the tiny one]", 1e-6)
-    ppo_epochs: int = option("passes over each rollout batch (1 = strictly on-policy, ratio 1 at the first step) [O]", 1)
-    batch_size: int = option("samples (training rows) per optimiser step [O]", 16)
-    micro_batch_size: int = option("samples per forward/backward [O]", 8)
-    grad_clip: float = option("gradient-norm clip (0 = off) [O]", 1.0)
-    adv_eps: float = option("epsilon in (R - mean)/(std + eps) [O]", 1e-6)
+    lr: float = option("policy learning rate, constant [O: 1e-6 full FT of a 7B model; raise it for the tiny one]",
+                       1e-6, gt=0)
+    ppo_epochs: int = option("passes over each rollout batch (1 = strictly on-policy, ratio 1 at the first step) [O]",
+                             1, ge=1)
+    batch_size: int = option("samples (training rows) per optimiser step [O]", 16, ge=1)
+    micro_batch_size: int = option("samples per forward/backward [O]", 8, ge=1)
+    grad_clip: float = option("gradient-norm clip (0 = off) [O]", 1.0, ge=0)
+    adv_eps: float = option("epsilon in (R - mean)/(std + eps) [O]", 1e-6, gt=0)
     invalid_penalty: float = option(
-        "invalid-action penalty coefficient (0 = off) [P:verl-agent invalid_action_penalty_coef 0.1]", 0.0)
+        "invalid-action penalty coefficient (0 = off) [P:verl-agent invalid_action_penalty_coef 0.1]", 0.0, ge=0)
     penalty_mode: str = option(
         "'return': subtract coef x flagged steps from R before group normalisation; 'step': subtract coef from the "
         "advantage of the flagged step only [O]", "return")
     penalty_signals: list[str] = option("step signals that count as invalid actions [O]",
                                         factory=lambda: ["format", "invalid"])
-    eval_every: int = option("evaluate (greedy, eval.splits) every this many updates and after the last [O]", 5)
+    eval_every: int = option("evaluate (greedy, eval.splits) every this many updates and after the last [O]", 5, ge=1)
     log_entropy: bool = option("log the policy's token entropy on reply tokens (a full-vocabulary pass) [O]", True)
 
     @property
@@ -110,11 +112,12 @@ class SelfGuideConfig:
     guide: str = option(
         "'none' (the spec's off): no guide line (env-only GRPO from the same demos); 'infer_only': guide-BC warm "
         "start and evaluation, no RL; 'train': Self-Guide + GRPO [I]", "train")
-    lambda_max: float = option("maximum trust weight of the internal advantage [O: 0.5]", 0.5)
+    lambda_max: float = option("maximum trust weight of the internal advantage [O: 0.5]", 0.5, ge=0)
     schedule: str = option("trust schedule of lambda: staged | constant (lambda_max from update 1) | none (lambda=0) [I]",
                            "staged")
-    breakpoints: tuple[float, float] = option("stage breakpoints as fractions of the updates [O: 20% / 50%]", (0.2, 0.5))
-    gamma_int: float = option("discount of the internal return-to-go [O: 0.95]", 0.95)
+    breakpoints: tuple[float, float] = option("stage breakpoints as fractions of the updates [O: 20% / 50%]",
+                                              (0.2, 0.5), ge=0, le=1)
+    gamma_int: float = option("discount of the internal return-to-go [O: 0.95]", 0.95, ge=0, le=1)
     int_norm: str = option("normalisation of the internal return: group (over all steps of the group) | none [I]",
                            "group")
     guide_tokens_adv: str = option("advantage of the guide tokens: env (outcome only) | combined (hacking ablation) [I]",
@@ -124,10 +127,10 @@ class SelfGuideConfig:
         "staged")
     guide_position: str = option("'before' the Thought (steers the action) | 'after' the Action (reward without "
                                  "conditioning ablation) [I]", "before")
-    guide_max_tokens: int = option("tokens added to agent.max_new_tokens for the guide line [O: 64]", 64)
+    guide_max_tokens: int = option("tokens added to agent.max_new_tokens for the guide line [O: 64]", 64, ge=1)
     demo_detour_prob: float = option(
         "guide-BC stand-in: probability that a demo step is replaced by a scripted detour (invalid or idle action) "
-        "so demos show 'bad' verdicts; detour replies are not trained on [O]", 0.15)
+        "so demos show 'bad' verdicts; detour replies are not trained on [O]", 0.15, ge=0, lt=1)
 
     def validate(self) -> None:
         _choice("selfguide", "guide", self.guide, GUIDE_MODES)

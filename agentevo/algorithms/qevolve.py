@@ -39,6 +39,7 @@ from agentevo.data.tensors import StepSample, collate, reply_logprobs, trajector
 from agentevo.data.types import Trajectory
 from agentevo.envs.base import SIGNALS
 from agentevo.errors import ConfigError
+from agentevo.eval import diagnostics
 from agentevo.eval.metrics import auc, summarize
 from agentevo.models.backend import Generation, Sampling, TransformersPolicy, load_pretrained
 from agentevo.models.critic import (
@@ -337,8 +338,9 @@ def train_critic(run: Any, r: int, data: Dataset, cache: dict[str, Any]) -> dict
     held = [is_holdout(t.task.task_id, q.critic_holdout, cfg.seed) for t in data.trajs]
     fit_items = [it for it, h in zip(items, held, strict=True) if not h] or items
     critic = build_critic(run, r, policy)
-    fit = CriticFit(q.tau, q.gamma, q.polyak, q.critic_lr, q.critic_epochs, q.critic_batch_size,
-                    q.critic_micro_batch_size, q.critic_grad_clip)
+    # The budget is critic_steps optimiser steps; critic_epochs (legacy) replaces it when set.
+    fit = CriticFit(q.tau, q.gamma, q.polyak, q.critic_lr, q.critic_epochs or 1, q.critic_batch_size,
+                    q.critic_micro_batch_size, q.critic_grad_clip, steps=0 if q.critic_epochs else q.critic_steps)
     phase = f"round-{r}/critic/train"
     with run.progress(f"round {r}: critic", None) as bar:
         def on_step(step: int, record: dict[str, float]) -> None:
@@ -352,18 +354,46 @@ def train_critic(run: Any, r: int, data: Dataset, cache: dict[str, Any]) -> dict
     cache["critic"], cache["policy"] = critic, policy
     # Calibration [§2.4]: does V(s_1) rank held-out returns / separate held-out successes?
     held_trajs = [t for t, h in zip(data.trajs, held, strict=True) if h]
-    held_values = critic_values(critic, [it for it, h in zip(items, held, strict=True) if h], policy.pad_id)
+    all_values = critic_values(critic, items, policy.pad_id)
+    cache["values"] = all_values  # step 4 reuses them in this process
+    held_values = [v for v, h in zip(all_values, held, strict=True) if h]
     v1 = [v["v"][0] for v in held_values]
     stats = {
         "n_fit": len(fit_items),
         "n_holdout": len(held_trajs),
-        "loss_v_last_epoch": epochs[-1]["loss_v"],
-        "loss_q_last_epoch": epochs[-1]["loss_q"],
+        "loss_v_last_epoch": epochs[-1]["loss_v"] if epochs else None,
+        "loss_q_last_epoch": epochs[-1]["loss_q"] if epochs else None,
         "spearman_v1_return": spearman(v1, [t.final_reward for t in held_trajs]),
         "auc_v1_success": auc(v1, [t.success for t in held_trajs]),
     }
     run.logger.log(f"round-{r}/critic", 0, {k: v for k, v in stats.items() if v is not None})
-    return stats
+    diag = critic_diagnostics(items, all_values, held, [t.success for t in data.trajs], q.gamma, q.polyak,
+                              epochs[-1] if epochs else {})
+    run.logger.log("diag/qevolve", r, diag)
+    return {**stats, "diag": diag}
+
+
+def critic_diagnostics(items: list[CriticItem], values: list[dict[str, list[float]]], held: list[bool],
+                       success: list[bool], gamma: float, polyak: float, last: dict[str, float]) -> dict[str, Any]:
+    """Does the critic fit? Held-out AUC of V(s_1) and min Q(s_1, a_1) for success, explained variance of the
+    held-out returns-to-go (of the critic's reward) by V, V spread against the returns' spread over D, and how far
+    the target heads moved from their init (names of diagnostics.critic_fit)."""
+    held_idx = [i for i, h in enumerate(held) if h]
+    g_all = [diagnostics.returns_to_go(it.rewards, gamma) for it in items]
+    v_states = [v["v"][: it.T] for v, it in zip(values, items, strict=True)]
+    out: dict[str, Any] = {
+        "auc_v1": auc([values[i]["v"][0] for i in held_idx], [success[i] for i in held_idx]),
+        "auc_q": auc([min(values[i]["q1"][0], values[i]["q2"][0]) for i in held_idx], [success[i] for i in held_idx]),
+        "ev": diagnostics.explained_variance([x for i in held_idx for x in v_states[i]],
+                                             [x for i in held_idx for x in g_all[i]]),
+        "v_std": diagnostics.std([x for v in v_states for x in v]),
+        "return_std": diagnostics.std([x for g in g_all for x in g]),
+        "n_holdout": len(held_idx),
+    }
+    if last:
+        out.update(target_drift=last["target_drift"], online_drift=last["online_drift"], steps=int(last["steps"]),
+                   init_share=diagnostics.init_share(polyak, int(last["steps"])))
+    return out
 
 
 def _ranks(xs: list[float]) -> list[float]:
@@ -432,7 +462,7 @@ def compute_advantages(run: Any, r: int, data: Dataset, cache: dict[str, Any]) -
     else:
         critic, policy = load_round_critic(run, r)
     items = critic_items(run, policy, data)
-    values = critic_values(critic, items, policy.pad_id)
+    values = cache.get("values") or critic_values(critic, items, policy.pad_id)
     raw, final = dataset_advantages(q, [step_labels(t, q) for t in data.trajs], values)
     flat = torch.tensor([a for adv in raw for a in adv])
     path = labels_path(run, r)

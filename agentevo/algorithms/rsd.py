@@ -64,6 +64,7 @@ from agentevo.algorithms.writers import RuleWriter, http_client_from_config, mak
 from agentevo.data.tensors import StepSample, collate, trajectory_samples
 from agentevo.data.types import Trajectory
 from agentevo.envs.base import SIGNAL_NONE, Task
+from agentevo.errors import AgentevoError
 from agentevo.eval.metrics import auc, summarize
 from agentevo.models.backend import Sampling
 from agentevo.rollout.engine import EpisodeRequest, PolicyActor
@@ -160,8 +161,7 @@ def make_distill_loss(cache: TeacherCache, kind: str = "forward", beta: float = 
         mask = batch["action_mask"][:, 1:]
         # Logits at position p-1 predict the token at p: the reply token's cache row index sits at p.
         index = batch["tk_index"][:, 1:].round().long().clamp(min=0).cpu()
-        ids = cache.ids[index].to(logits.device)
-        t_lp = cache.logp[index].to(logits.device)
+        ids, t_lp = cache.topk_rows(index, logits.device)
         per_token = topk_divergence(logits, ids, t_lp, kind, beta, tail)
         return losses.aggregate(per_token, mask, "token-mean"), {"tokens": float(mask.sum())}
 
@@ -172,16 +172,25 @@ def make_distill_loss(cache: TeacherCache, kind: str = "forward", beta: float = 
 # The teacher cache (§4.3 step 5): top-k ids and log-probs per reply token, computed once per round
 
 
+def id_dtype(vocab_size: int) -> torch.dtype:
+    """The smallest signed int type that holds every token id of the vocabulary (int16 up to 32,767 ids)."""
+    return torch.int16 if vocab_size <= torch.iinfo(torch.int16).max else torch.int32
+
+
 @dataclass
 class TeacherCache:
     """Per reply token, in (trajectory, step, token) order: the teacher's top-k ids and log-probs, plus the teacher's
-    and the round-start student's log-prob of the token actually taken."""
+    and the round-start student's log-prob of the token actually taken.
+
+    After scoring the cache is compacted (compact_): log-probs in float16, ids in id_dtype(V); it is saved and loaded
+    that way, and every reader converts a slice back with topk_rows (int64 ids, float32 log-probs)."""
 
     offsets: dict[tuple[int, int], tuple[int, int]]  # (traj index, t) -> (start row, n tokens)
-    ids: torch.Tensor  # [N, K] long
-    logp: torch.Tensor  # [N, K] float32, full-vocabulary log-probs under softmax(z / T_teach)
+    ids: torch.Tensor  # [N, K] int64 while scoring; id_dtype(V) once compact
+    logp: torch.Tensor  # [N, K] full-vocabulary log-probs under softmax(z / T_teach); float32, then float16
     teacher_token_logp: torch.Tensor  # [N] log p_T(a_t^j), temperature 1
     student_token_logp: torch.Tensor  # [N] log pi_r(a_t^j), the student before this round's update
+    vocab_size: int = 0  # V of the teacher's logits (set by score_teacher); picks the id type
 
     @classmethod
     def empty(cls, trajs: Sequence[Trajectory], k: int) -> TeacherCache:
@@ -198,23 +207,42 @@ class TeacherCache:
     def n_tokens(self) -> int:
         return int(self.ids.shape[0])
 
+    def compact_(self) -> TeacherCache:
+        """In place: float16 top-k log-probs, ids in the smallest int type that holds the vocabulary (1/3 of the
+        float32 + int64 bytes at V <= 32,767); fp16 keeps 11 significant bits, ample for a distillation target."""
+        vocab = self.vocab_size or (int(self.ids.max()) + 1 if self.ids.numel() else 1)
+        self.ids = self.ids.to(id_dtype(vocab))
+        self.logp = self.logp.to(torch.float16)
+        return self
+
+    def topk_rows(self, index: torch.Tensor, device: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached top-k at these rows as the losses take them: int64 ids, float32 log-probs."""
+        return self.ids[index].to(device=device, dtype=torch.long), self.logp[index].to(device=device,
+                                                                                         dtype=torch.float32)
+
     def nbytes(self) -> int:
-        """Bytes on disk: int32 ids + float32 log-probs + two float32 token log-probs."""
-        return self.n_tokens * (self.ids.shape[1] * 8 + 8)
+        """Bytes of the tensors (= on disk, less the offsets): top-k ids and log-probs + two float32 token log-probs."""
+        k = self.ids.shape[1]
+        return self.n_tokens * (k * (self.ids.element_size() + self.logp.element_size()) + 8)
 
     def save(self, path: Path) -> None:
+        """Write it compact (see compact_; this object is left as it is), atomically."""
+        small = dataclasses.replace(self).compact_()
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         torch.save({"offsets": [[i, t, a, n] for (i, t), (a, n) in self.offsets.items()],
-                    "ids": self.ids.to(torch.int32), "logp": self.logp, "teacher_token_logp": self.teacher_token_logp,
-                    "student_token_logp": self.student_token_logp}, tmp)
+                    "ids": small.ids, "logp": small.logp, "teacher_token_logp": self.teacher_token_logp,
+                    "student_token_logp": self.student_token_logp, "vocab_size": self.vocab_size}, tmp)
         tmp.replace(path)
 
     @classmethod
     def load(cls, path: Path) -> TeacherCache:
+        """Read a saved cache; it stays compact (readers convert slices with topk_rows)."""
         blob = torch.load(path, weights_only=True)
         offsets = {(int(i), int(t)): (int(a), int(n)) for i, t, a, n in blob["offsets"]}
-        return cls(offsets, blob["ids"].long(), blob["logp"], blob["teacher_token_logp"], blob["student_token_logp"])
+        cache = cls(offsets, blob["ids"], blob["logp"], blob["teacher_token_logp"], blob["student_token_logp"],
+                    int(blob.get("vocab_size", 0)))
+        return cache.compact_()  # a cache saved before compaction existed (int32 ids, float32 log-probs)
 
     def rows_of(self, sample: StepSample) -> list[int]:
         """Cache rows of a sample's reply tokens, in span order."""
@@ -252,6 +280,7 @@ def score_teacher(model: Any, rows: Sequence[StepSample], cache: TeacherCache, k
                   pad_id: int, batch_size: int, support: torch.Tensor | None = None) -> None:
     """Fill the cache with the teacher's top-k (or its log-probs at the given support ids) for every reply token."""
     for row, z, tok in reply_logits(model, rows, pad_id, batch_size):
+        cache.vocab_size = int(z.shape[-1])
         if support is None:
             ids, lp = losses.teacher_topk(z, k, temperature)
         else:
@@ -276,7 +305,7 @@ def student_pass(model: Any, rows: Sequence[StepSample], cache: TeacherCache, pa
         if support is not None:
             support[index] = z.topk(rsd.topk, dim=-1).indices
         else:
-            div[index] = topk_divergence(z, cache.ids[index], cache.logp[index], rsd.kl, rsd.kl_beta, rsd.topk_tail)
+            div[index] = topk_divergence(z, *cache.topk_rows(index), rsd.kl, rsd.kl_beta, rsd.topk_tail)
     return {"token_logp": token_logp, "divergence": div, "support": support}
 
 
@@ -544,7 +573,12 @@ def rsd_rounds(run: Any, base: str, label: str = "rsd", gold: dict[str, Trajecto
         # 4-5. teacher top-k under the privileged context, cached to disk
         def teach(student: str = student, trajs: list[Trajectory] = trajs, rule: ContextRule = rule,
                   teacher_ckpt: str = teacher.ckpt, work: Path = work, r: int = r) -> dict[str, Any]:
-            return _score_round(run, r, trajs, rule, teacher_ckpt, student, work, gold)
+            stats = _score_round(run, r, trajs, rule, teacher_ckpt, student, work, gold)
+            if r == 1:  # teacher and student are the same weights here: the context is the only difference
+                premise = {k: stats[k] for k in PREMISE_KEYS if stats.get(k) is not None}
+                run.logger.log(f"diag/{label}", 0, premise)
+                check_premise(premise, rsd.premise_stop)
+            return stats
 
         teach_stats = run.phase(f"round-{r}/teacher", teach)
 
@@ -652,11 +686,13 @@ def _score_round(run: Any, r: int, trajs: list[Trajectory], rule: ContextRule, t
     if rsd.topk_from == "student":
         support = student_pass(student_policy.model, plain, cache, student_policy.pad_id, bs, rsd, topk_ids=True)["support"]
     score_teacher(teacher_policy.model, rows, cache, rsd.topk, rule.teacher_temp, teacher_policy.pad_id, bs, support)
+    cache.compact_()  # kl_pre and the update read the same (float16) values
     pre = student_pass(student_policy.model, plain, cache, student_policy.pad_id, bs, rsd)
     cache.student_token_logp = pre["token_logp"]
     cache.save(work / "teacher_topk.pt")
     taken = torch.tensor([tok for t in trajs for s in t.steps for tok in s.action_ids], dtype=torch.long)
-    top1 = cache.ids.gather(-1, cache.logp.argmax(-1, keepdim=True))[:, 0]
+    ids, logp = cache.topk_rows(torch.arange(cache.n_tokens))
+    top1 = ids.gather(-1, logp.argmax(-1, keepdim=True))[:, 0]
     return {
         "teacher": teacher_ckpt, "rule": rule.to_dict(), "tokens": cache.n_tokens, "cache_bytes": cache.nbytes(),
         "teacher_rows": len(rows), "teacher_rows_cut": cut, "kl_pre": float(pre["divergence"].mean()),
@@ -712,6 +748,23 @@ def flagged_step_auc(cache: TeacherCache, trajs: Sequence[Trajectory]) -> dict[s
     return {"teacher_auc_flagged": auc(disfavour, flagged), "flagged_steps": sum(flagged)}
 
 
+PREMISE_KEYS = ("teacher_token_logp", "student_token_logp", "teacher_auc_flagged")
+
+
+def check_premise(values: dict[str, Any], stop: bool) -> None:
+    """RSD's premise before the first update: the teacher with the context is better than the student without it,
+    i.e. gives the student's own reply tokens a higher mean log-prob. Warn in the report (diag/rsd); with `stop`
+    (rsd.premise_stop) raise instead of distilling from a teacher that is not better."""
+    if not stop or "teacher_token_logp" not in values or "student_token_logp" not in values:
+        return
+    gap = values["teacher_token_logp"] - values["student_token_logp"]
+    if gap < 0:
+        raise AgentevoError(
+            f"rsd premise fails: the teacher with context gives the round-1 replies a lower mean token log-prob "
+            f"({values['teacher_token_logp']:.3f}) than the student without it ({values['student_token_logp']:.3f}); "
+            "fix the context (rsd.ctx_*, rsd.ctx_warm_start) or set rsd.premise_stop=false to distil anyway")
+
+
 def _write_ema_teacher(run: Any, teacher_ckpt: str, student_ckpt: str, out: str, decay: float) -> None:
     """teacher <- decay * teacher + (1 - decay) * student, saved as checkpoints/<out>."""
     teacher, student = run.load_policy(teacher_ckpt, out), run.load_policy(student_ckpt)
@@ -764,12 +817,18 @@ def _with_context_evals(run: Any, base: str, student: str, rule_state: dict[str,
     data = json.loads((run.dir / label / f"round-{rsd.rounds}" / "material.json").read_text())
     bank = load_bank(run, rsd.rounds)
     out: dict[str, Any] = {}
+    diag_label = label  # the loop below reuses the name `label`
     targets = [("base+ctx", base)] + ([("final+ctx", student)] if rsd.infer_ctx else [])
     for label, ckpt in targets:
         def ev(ckpt: str = ckpt, label: str = label) -> dict[str, Any]:
             policy = run.load_policy(ckpt)
             fn = pre_action_context_fn(bank, data["lessons"], rule, rsd, policy.tokenizer)
-            return evaluate_with_context(run, policy, label, splits, fn, rule.position)
+            res = evaluate_with_context(run, policy, label, splits, fn, rule.position)
+            plain = run.state.get("eval/base", {}).get(rsd.metric_split)
+            if label == "base+ctx" and plain and rsd.metric_split in res:  # the premise in success: C helps base
+                run.logger.log(f"diag/{diag_label}", 0, {"success_base": plain["success_rate"],
+                                                         "success_base_ctx": res[rsd.metric_split]["success_rate"]})
+            return res
 
         out[f"eval/{label}"] = run.phase(f"eval/{label}", ev)
     final = run.state.get(f"eval/{student}", {})

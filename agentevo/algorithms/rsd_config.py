@@ -30,76 +30,81 @@ class RSDConfig:
     """RSD: every field carries its provenance tag from methods-spec ([S], [P:x], [O], [I])."""
 
     # -- rounds (§4.2, §4.3 steps 1-2, 7) --------------------------------------------------------------
-    rounds: int = option("rounds R [S: 10]", 10)
-    tasks_per_round: int = option("training tasks drawn per round, one trajectory each [S: 200]", 200)
-    rollout_temperature: float = option("sampling temperature of the acting student [O: 1.0]", 1.0)
-    lr: float = option("learning rate of the distillation update [S: 3e-6, full parameters]", 3e-6)
-    epochs: float = option("passes over the round's trajectories [S: 1]", 1.0)
+    rounds: int = option("rounds R [S: 10]", 10, ge=1)
+    tasks_per_round: int = option("training tasks drawn per round, one trajectory each [S: 200]", 200, ge=1)
+    rollout_temperature: float = option("sampling temperature of the acting student [O: 1.0]", 1.0, ge=0)
+    lr: float = option("learning rate of the distillation update [S: 3e-6, full parameters]", 3e-6, gt=0)
+    epochs: float = option("passes over the round's trajectories [S: 1]", 1.0, gt=0)
     # -- loss (§4.3 steps 5-6) -------------------------------------------------------------------------
-    topk: int = option("teacher top-k tokens kept for the KL [S: 20]", 20)
+    topk: int = option("teacher top-k tokens kept for the KL [S: 20]", 20, ge=1)
     topk_tail: bool = option("add the SDPO tail bucket 1 - sum_K p to both distributions [P:SDPO; off = OPSD renormalised]",
                              False)
     topk_from: str = option("whose top-k ids form the support: teacher [O/P:OPSD] or student (round-start student) "
                             "[P:SDPO]", "teacher")
     kl: str = option("divergence on the top-k support: forward KL(p_T||p_S) [S], reverse, or jsd (generalised JSD, "
                      "kl_beta) [P:GKD]", "forward")
-    kl_beta: float = option("beta of the generalised JSD (kl=jsd) [P:GKD]", 0.5)
+    kl_beta: float = option("beta of the generalised JSD (kl=jsd) [P:GKD]", 0.5, gt=0, lt=1)
     # -- teacher schedule (§4.4) -------------------------------------------------------------------------
     teacher: str = option("teacher weights: follow_freeze [S], always_follow [S ablation], fixed_init [P:OPSD], "
                           "ema [P:OPSD]", "follow_freeze")
-    ema_decay: float = option("teacher <- decay*teacher + (1-decay)*student after each round (teacher=ema) [O]", 0.5)
+    ema_decay: float = option("teacher <- decay*teacher + (1-decay)*student after each round (teacher=ema) [O]",
+                              0.5, ge=0, lt=1)
     metric_split: str = option("split whose greedy success is the schedule / rule metric M_r [I: validation]", "dev")
     # -- context rule (§4.3 step 4; the whitelist of §4.5) ------------------------------------------------
     components: list[str] = option("components on: prec, lessons, reflect, future [S: all four]",
                                    factory=lambda: list(COMPONENTS))
-    n_prec: int = option("precedents per context [S: 2]", 2)
+    n_prec: int = option("precedents per context [S: 2]", 2, ge=0, le=16)
     retrieval: str = option("precedent ranking: content_overlap [S], fts (SQLite BM25 rank), random [S ablation]",
                             "content_overlap")
     position: str = option("where the context goes: system, before_history, before_current_step [O]",
                            "before_history")
-    teacher_temp: float = option("teacher softmax temperature [O: 1.0]", 1.0)
+    teacher_temp: float = option("teacher softmax temperature [O: 1.0]", 1.0, ge=0.05, le=5)
     # -- context material (§4.3 step 3) -------------------------------------------------------------------
     match_on: str = option("text matched for precedents: goal [S] or goal_and_first_obs (envs whose goal text is "
                            "the same for every task, e.g. CookingWorld) [O]", "goal")
     prec_format: str = option("how a precedent is shown: actions (goal + action list) or full (verbatim) [O]",
                               "actions")
     lessons_from: str = option("trajectories the lesson writer reads: both [S], success, failure", "both")
-    lessons_per_outcome: int = option("successes and failures sampled per task type for a lesson [O: 4]", 4)
+    lessons_per_outcome: int = option("successes and failures sampled per task type for a lesson [O: 4]", 4, ge=1)
     refresh: str = option("what is rebuilt each round: all [S], lessons_only, precedents_only, frozen_round1", "all")
-    future_max_steps: int | None = option("future-hindsight steps shown (null = all, verbatim [S])", None)
-    ctx_max_tokens: int | None = option("cap on the context's tokens, cut at the end (null = none) [O]", None)
+    future_max_steps: int | None = option("future-hindsight steps shown (null = all, verbatim [S])", None, ge=1)
+    ctx_max_tokens: int | None = option("cap on the context's tokens, cut at the end (null = none) [O]", None, ge=1)
     writer: str = option("who writes lessons and reflections: policy (same model) [S], http (OpenAI-compatible "
                          "endpoint), rule (env signals and score changes; the tiny-model stand-in) [O]", "policy")
     writer_url: str | None = option("base URL of the OpenAI-compatible endpoint (writer=http / frontier proposer)",
                                     None)
     writer_model: str = option("model name sent to the endpoint", "gpt-4o-mini")
     writer_api_key_env: str | None = option("name of the environment variable holding the endpoint's API key", None)
-    writer_max_tokens: int = option("token budget of one written lesson / reflection [O]", 256)
+    writer_max_tokens: int = option("token budget of one written lesson / reflection [O]", 256, ge=1)
     # -- rule search (§4.5) ----------------------------------------------------------------------------
     rule_search: str = option("off (fixed rule), frontier (LLM proposer behind writer_url), random [S]", "off")
     probe: bool = option("training-free probe before committing a candidate rule [S]", True)
-    probe_tasks: int = option("training tasks in the probe slice, greedy [O: 32]", 32)
-    accept_margin: float = option("keep a rule if success >= best - margin, in percentage points [S: 0.5]", 0.5)
+    probe_tasks: int = option("training tasks in the probe slice, greedy [O: 32]", 32, ge=1)
+    accept_margin: float = option("keep a rule if success >= best - margin, in percentage points [S: 0.5]", 0.5, ge=0)
     # -- inference / measurement (§4.6) --------------------------------------------------------------------
     infer_ctx: bool = option("also evaluate the evolved student with (pre-action) context at inference [S ablation]",
                              False)
     internalisation: bool = option("evaluate the base with context at the end (internalisation measure) [S]", True)
+    premise_stop: bool = option("stop before distilling when the teacher with context is not better than the student "
+                                "without it (round-1 premise check; off = warn in the report and distil anyway) [O]",
+                                False)
     # -- tiny-model warm start (methods-spec §7 item 9) -----------------------------------------------------
     ctx_warm_start: bool = option("after BC, train on a mix of plain and privileged-context demos so the teacher can "
                                   "read context (tiny models only) [O]", False)
-    ctx_warm_fraction: float = option("demos that also get a context-augmented copy [O]", 0.5)
-    ctx_warm_steps: int = option("steps per context-augmented demo (each is its own row) [O]", 3)
-    ctx_warm_epochs: float = option("epochs of the context-aware warm start [O]", 2.0)
+    ctx_warm_fraction: float = option("demos that also get a context-augmented copy [O]", 0.5, ge=0, le=1)
+    ctx_warm_steps: int = option("steps per context-augmented demo (each is its own row) [O]", 3, ge=1)
+    ctx_warm_epochs: float = option("epochs of the context-aware warm start [O]", 2.0, gt=0)
     ctx_warm_same_task: float = option("probability that a warm-start precedent is the demo's own task (a solved "
-                                       "earlier attempt) [O]", 0.7)
+                                       "earlier attempt) [O]", 0.7, ge=0, le=1)
     ctx_warm_detours: float = option("share of context-augmented demos taken from a replay with scripted wasted steps "
                                      "(look, inventory, a repeated take) whose rows target the next useful action, so "
-                                     "the teacher learns what the future reveals about a mistake [O]", 0.0)
-    ctx_warm_detour_prob: float = option("per-step chance of a scripted wasted step in those replays [O]", 0.3)
+                                     "the teacher learns what the future reveals about a mistake [O]", 0.0, ge=0, le=1)
+    ctx_warm_detour_prob: float = option("per-step chance of a scripted wasted step in those replays [O]",
+                                         0.3, gt=0, lt=1)
     # -- RSD-table baselines (§5) ------------------------------------------------------------------------
-    bon_n: int = option("BoN: samples per task [S: 16]", 16)
-    reflexion_attempts: int = option("Reflexion: attempts per task [S: 3]", 3)
-    gt_epochs: float | None = option("GT-SFT epochs (null = optim.epochs, the SFT recipe's) [O]", None)
+    bon_n: int = option("BoN: samples per task [S: 16]", 16, ge=1)
+    reflexion_attempts: int = option("Reflexion: attempts per task [S: 3]", 3, ge=1)
+    gt_epochs: float | None = option("GT-SFT epochs (null = optim.epochs, the SFT recipe's) [O]", None, gt=0)
 
     def validate(self) -> None:
         if self.rounds < 1:

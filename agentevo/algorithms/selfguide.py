@@ -57,6 +57,7 @@ from agentevo.algorithms.grpo import (
     acting_policy,
     check_on_policy_backend,
     evaluate_with,
+    group_diagnostics,
     group_requests,
     group_returns,
     grpo_loss,
@@ -74,6 +75,7 @@ from agentevo.data.tensors import StepSample, trajectory_samples
 from agentevo.data.types import Step, Trajectory
 from agentevo.envs.base import SIGNAL_FORMAT, SIGNAL_INVALID, SIGNAL_REPEAT
 from agentevo.errors import ConfigError
+from agentevo.eval.diagnostics import guide_agreement
 from agentevo.eval.metrics import auc, eval_collection
 from agentevo.models.backend import Generation, Sampling
 from agentevo.models.policy import initial_policy, tokenizer_corpus
@@ -283,6 +285,27 @@ def guide_stats(trajs: Sequence[Trajectory], position: str, mask_fn: MaskFn) -> 
     }
 
 
+def agreement_stats(trajs: Sequence[Trajectory], position: str) -> dict[str, Any]:
+    """How often the guide's 'Next: <action>' is the action the same reply takes (diagnostics.guide_agreement)."""
+    steps = [s for t in trajs for s in t.steps]
+    frac, n = guide_agreement([parse_guide(s.action_text, position)[0] for s in steps],
+                              [s.parsed_action for s in steps])
+    return {} if frac is None else {"guide_agreement": frac, "guide_steps": n}
+
+
+def premise_diagnostics(run: Any, label: str, evals: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Before RL: the guided warm start's greedy success and guide/action agreement (logged as diag/selfguide, 0).
+
+    The unguided success comes from a selfguide.guide=none run; within one run it is not measured."""
+    split = "test" if "test" in evals else next(iter(evals), None)
+    if split is None:
+        return {}
+    trajs = run.store.load(collection=eval_collection(label, split))
+    out = {"guided_success": evals[split]["success_rate"], **agreement_stats(trajs, run.cfg.selfguide.guide_position)}
+    run.logger.log("diag/selfguide", 0, out)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 0. Guide-BC warm start (small-scale stand-in)
 
@@ -478,6 +501,8 @@ def run(run: Any) -> dict[str, Any]:
     with_guide = sg.guide != "none"
     # 0. Guide-BC warm start: π_0 = π_ref.
     results: dict[str, Any] = dict(guide_warm_start(run))
+    if with_guide:
+        results["diag/premise"] = run.phase("diag/premise", lambda: premise_diagnostics(run, "bc", results["eval/bc"]))
     if sg.guide == "infer_only":
         return results
     check_on_policy_backend(run)
@@ -510,6 +535,9 @@ def run(run: Any) -> dict[str, Any]:
         out = Labelled(trajs, time.perf_counter())
         # 2. A_env per group, Â_int per step, per-token advantages (guide tokens: A_env only).
         groups = split_groups(trajs)
+        out.extra.update(group_diagnostics(groups, g))
+        if with_guide:
+            out.extra.update(agreement_stats(trajs, sg.guide_position))
         int_abs: list[float] = []
         for group in groups:
             a_env = outcome_advantages(group_returns(group, g), g)

@@ -15,6 +15,7 @@ from typing import Any
 
 from agentevo.data.types import Step, Trajectory
 from agentevo.envs.base import Task
+from agentevo.errors import AgentevoError
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS trajectories (
@@ -92,10 +93,21 @@ class ExperienceStore:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA foreign_keys=ON")
-        self._db.executescript(_SCHEMA)
+        try:
+            # a truncated or overwritten file fails here, with one line naming it, not later mid-phase
+            problems = [str(r[0]) for r in self._db.execute("PRAGMA quick_check").fetchall()]
+            if problems != ["ok"]:
+                raise sqlite3.DatabaseError("; ".join(problems[:3]))
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("PRAGMA foreign_keys=ON")
+            self._db.executescript(_SCHEMA)
+        except sqlite3.DatabaseError as exc:
+            self._db.close()
+            detail = " ".join(str(exc).split())
+            raise AgentevoError(
+                f"experience store {self.path} is damaged ({detail}); restore it from a copy (with its -wal file), "
+                "or move the run folder aside and start the run again") from None
 
     def close(self) -> None:
         """Close the connection."""
@@ -169,7 +181,7 @@ class ExperienceStore:
         with self._lock:
             rows = self._db.execute(
                 "SELECT task_type, COUNT(*), AVG(final_reward), AVG(success) FROM trajectories WHERE collection = ? "
-                "GROUP BY task_type ORDER BY MIN(id)", (collection,)).fetchall()
+                "GROUP BY task_type ORDER BY MIN(slot)", (collection,)).fetchall()
         return [(str(t), int(n), float(r), float(s)) for t, n, r, s in rows]
 
     def collections(self) -> list[str]:
@@ -186,7 +198,9 @@ class ExperienceStore:
         success: bool | None = None,
         ids: list[int] | None = None,
     ) -> list[Trajectory]:
-        """Trajectories matching the filters, in storage order (the order they finished), with their steps."""
+        """Trajectories matching the filters, with their steps, in slot order: collections in the order they were
+        started (each one's first stored trajectory), then by slot within each. Slot order, not the order episodes
+        finished, so a run resumed after a kill trains on the same sequence as an uninterrupted one."""
         where, args = [], []
         if collection is not None:
             where.append("collection = ?")
@@ -203,7 +217,8 @@ class ExperienceStore:
         if ids is not None:
             where.append(f"id IN ({','.join('?' * len(ids))})")
             args.extend(ids)
-        sql = "SELECT * FROM trajectories" + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY id"
+        sql = ("SELECT * FROM trajectories" + (" WHERE " + " AND ".join(where) if where else "")
+               + " ORDER BY (SELECT MIN(f.id) FROM trajectories AS f WHERE f.collection = trajectories.collection), slot")
         with self._lock:
             self._db.row_factory = sqlite3.Row
             try:
@@ -259,8 +274,8 @@ class ExperienceStore:
             for traj in self.load(collection=collection):
                 record = {
                     "task": traj.task.to_dict(), "source": traj.source, "policy_id": traj.policy_id,
-                    "goal": traj.goal, "final_reward": traj.final_reward, "success": traj.success,
-                    "meta": traj.meta, "steps": [s.to_dict() for s in traj.steps],
+                    "instruction": traj.instruction, "goal": traj.goal, "final_reward": traj.final_reward,
+                    "success": traj.success, "meta": traj.meta, "steps": [s.to_dict() for s in traj.steps],
                 }
                 fh.write(json.dumps(record, default=str) + "\n")
                 n += 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -31,3 +32,25 @@ def bounded_jvm(max_heap_mb: int) -> Iterator[None]:
             os.environ.pop("JAVA_TOOL_OPTIONS", None)
         else:
             os.environ["JAVA_TOOL_OPTIONS"] = previous
+
+
+def kill_jvm(env: object) -> bool:
+    """SIGKILL the JVM of a JVM-backed env (one with jvm_pid()); False when it has none running.
+
+    A hung or SIGSTOPped JVM answers no shutdown request, but SIGKILL ends even a stopped process, and the py4j
+    call blocked on it then fails, which frees the thread that made it.
+    """
+    jvm_pid = getattr(env, "jvm_pid", None)
+    if not callable(jvm_pid):
+        return False
+    try:
+        pid = jvm_pid()
+    except Exception:  # noqa: BLE001 - the env's bridge may already be half torn down
+        return False
+    if pid is None:
+        return False
+    try:
+        os.kill(int(pid), signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True

@@ -1,24 +1,36 @@
-"""Compare runs: held-out success per evaluation point, mean ± sd over seeds, as a markdown table and plots.
+"""Compare runs: held-out success per evaluation point per seed, mean ± sd, and paired differences vs a baseline.
 
-Runs are grouped by name with a trailing seed suffix removed (`qe-cw-s0`, `qe-cw-s1` -> `qe-cw`). Evaluation
-points are the `eval/<label>` phases of state.json (`bc`, `round-1`, `update-4`, ...), in the order they ran.
-Environment steps at each point are those the run collected after its BC warm start (Q-Evolve's self-collected
-steps, `round-r/label`; GRPO's `train_env_steps`; RSD's `round-r/act`; BoN's samples; Harness@Inf's bank); `bc` is 0.
+Runs are grouped into arms by name with a trailing seed suffix removed (`qe-cw-s0`, `qe-cw-s1` -> `qe-cw`; N of
+`-sN` is the seed index). Evaluation points are the `eval/<label>` phases of state.json (`bc`, `round-1`,
+`update-4`, ...), in the order they ran. Environment steps at each point are those the run collected after its BC
+warm start (Q-Evolve's self-collected steps, `round-r/label`; GRPO's `train_env_steps`; RSD's `round-r/act`; BoN's
+samples; Harness@Inf's bank); `bc` is 0.
+
+Each arm is compared with a baseline arm on per-task outcomes (the run's experience.db, collection
+eval/<label>/<split>): seeds paired by index, tasks by id on the same task list (agentevo/eval/stats.py).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import sqlite3
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agentevo.errors import ConfigError
+import yaml
 
-SEED_SUFFIX = re.compile(r"-s\d+$")
+from agentevo.errors import ConfigError
+from agentevo.eval.metrics import eval_collection
+from agentevo.eval.stats import PairedResult, format_p, paired_difference
+
+SEED_SUFFIX = re.compile(r"-s(\d+)$")
 METRICS = {"success": "held-out success (%)", "reward": "held-out average final reward (x100)"}
+N_BOOT = 10_000
+BOOT_SEED = 0
 
 
 @dataclass
@@ -29,6 +41,7 @@ class Point:
     success: float
     reward: float
     env_steps: float | None
+    task_hash: str | None = None
 
     def value(self, metric: str) -> float:
         """The compared number in percent: success rate, or average final reward (ScienceWorld's score) x 100."""
@@ -36,12 +49,57 @@ class Point:
 
 
 @dataclass
+class RunInfo:
+    """One run folder of an arm: its seed index, environment and evaluation points by label."""
+
+    dir: Path
+    seed: int | None
+    env: str
+    points: dict[str, Point]
+
+    @property
+    def name(self) -> str:
+        """The run folder's name."""
+        return self.dir.name
+
+
+@dataclass
 class Group:
-    """Runs that differ only by seed."""
+    """Runs that differ only by seed (an arm), ordered by seed index."""
 
     name: str
     runs: list[str] = field(default_factory=list)
-    points: dict[str, list[Point]] = field(default_factory=dict)  # label -> one point per run
+    points: dict[str, list[Point]] = field(default_factory=dict)  # label -> one point per run that has it
+    members: list[RunInfo] = field(default_factory=list)
+
+    @property
+    def envs(self) -> list[str]:
+        """The environments of its runs, in order, without repeats."""
+        return list(dict.fromkeys(m.env for m in self.members))
+
+
+@dataclass
+class Paired:
+    """One arm against the baseline at one pair of evaluation points; result None with a reason when not paired."""
+
+    arm: str
+    label: str
+    base_label: str
+    result: PairedResult | None
+    reason: str = ""
+
+
+@dataclass
+class Comparison:
+    """What compare() wrote: compare.md's path, the per-seed table, the paired table and sentences, warnings."""
+
+    path: Path
+    baseline: str
+    table: str
+    paired_table: str
+    sentences: list[str]
+    warnings: list[str]
+    text: str
 
 
 def _env_steps(state: dict[str, Any], label: str, result: dict[str, Any]) -> float | None:
@@ -81,18 +139,41 @@ def load_points(run_dir: Path, split: str) -> list[Point]:
     for key, per_split in state.items():
         if key.startswith("eval/") and isinstance(per_split, dict) and isinstance(per_split.get(split), dict):
             label, m = key[len("eval/") :], per_split[split]
-            points.append(Point(label, float(m["success_rate"]), float(m["avg_reward"]), _env_steps(state, label, m)))
+            points.append(Point(label, float(m["success_rate"]), float(m["avg_reward"]), _env_steps(state, label, m),
+                                m.get("task_hash")))
     return points
 
 
+def _run_env(run_dir: Path) -> str:
+    """The environment name in the run's config.yaml ('?' when it has none)."""
+    path = run_dir / "config.yaml"
+    try:
+        cfg = yaml.safe_load(path.read_text()) if path.exists() else None
+    except yaml.YAMLError:
+        return "?"
+    env = cfg.get("env") if isinstance(cfg, dict) else None
+    return str(env.get("name", "?")) if isinstance(env, dict) else "?"
+
+
 def group_runs(run_dirs: list[Path], split: str) -> list[Group]:
+    """Arms in the order first named, each with its runs sorted by seed index."""
     groups: dict[str, Group] = {}
     for run_dir in run_dirs:
-        name = SEED_SUFFIX.sub("", run_dir.name)
-        group = groups.setdefault(name, Group(name))
-        group.runs.append(run_dir.name)
-        for point in load_points(run_dir, split):
-            group.points.setdefault(point.label, []).append(point)
+        match = SEED_SUFFIX.search(run_dir.name)
+        seed = int(match.group(1)) if match else None
+        group = groups.setdefault(SEED_SUFFIX.sub("", run_dir.name), Group(SEED_SUFFIX.sub("", run_dir.name)))
+        same = [m for m in group.members if m.seed == seed]
+        if same:  # pairing is by seed index, so one arm cannot hold a seed twice
+            raise ConfigError(f"runs {str(same[0].dir)!r} and {str(run_dir)!r} are both seed {seed} of arm "
+                              f"{group.name!r}; give each seed of an arm once")
+        points = {p.label: p for p in load_points(run_dir, split)}
+        group.members.append(RunInfo(run_dir, seed, _run_env(run_dir), points))
+    for group in groups.values():
+        group.members.sort(key=lambda m: -1 if m.seed is None else m.seed)
+        group.runs = [m.name for m in group.members]
+        for m in group.members:
+            for label, point in m.points.items():
+                group.points.setdefault(label, []).append(point)
     return list(groups.values())
 
 
@@ -100,21 +181,140 @@ def _mean_sd(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
+def _seed_name(m: RunInfo) -> str:
+    return "-" if m.seed is None else f"s{m.seed}"
+
+
 def markdown_table(groups: list[Group], labels: list[str], metric: str = "success") -> str:
-    """The metric (%) as mean ± sd (n runs) per group and evaluation point; '-' where a group has no such point."""
-    head = "| runs | seeds | " + " | ".join(labels) + " |"
-    lines = [head, "|---|---|" + "---|" * len(labels)]
+    """The metric (%) per arm and evaluation point: mean ± sd over seeds, then each seed's value in seed order
+    (the `seeds` column), '-' for a seed (or a whole arm) without that point."""
+    head = "| runs | env | seeds | " + " | ".join(labels) + " |"
+    lines = [head, "|---|---|---|" + "---|" * len(labels)]
     for g in groups:
         cells = []
         for label in labels:
-            pts = g.points.get(label, [])
-            if not pts:
+            values = [m.points[label].value(metric) if label in m.points else None for m in g.members]
+            known = [v for v in values if v is not None]
+            if not known:
                 cells.append("-")
                 continue
-            mean, sd = _mean_sd([p.value(metric) for p in pts])
-            cells.append(f"{mean:.1f} ± {sd:.1f} (n={len(pts)})")
-        lines.append(f"| {g.name} | {len(g.runs)} | " + " | ".join(cells) + " |")
+            mean, sd = _mean_sd(known)
+            per_seed = " / ".join("-" if v is None else f"{v:.1f}" for v in values)
+            cells.append(f"{mean:.1f} ± {sd:.1f} ({per_seed})")
+        seeds = ", ".join(_seed_name(m) for m in g.members)
+        lines.append(f"| {g.name} | {', '.join(g.envs)} | {seeds} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def task_outcomes(run_dir: Path, label: str, split: str, metric: str) -> dict[str, float] | None:
+    """Per-task outcome (points: success or final reward x 100) of one evaluation from the run's experience.db;
+    None when the store or the evaluation's collection is not there."""
+    db = run_dir / "experience.db"
+    if not db.exists():
+        return None
+    try:
+        con = sqlite3.connect(db.resolve().as_uri() + "?mode=ro", uri=True)  # read-only: never touch the run
+        try:
+            rows = con.execute("SELECT task_id, success, final_reward FROM trajectories WHERE collection = ? "
+                               "ORDER BY slot", (eval_collection(label, split),)).fetchall()
+        finally:
+            con.close()
+    except sqlite3.Error:
+        return None
+    per_task: dict[str, list[float]] = {}
+    for task_id, success, reward in rows:
+        per_task.setdefault(str(task_id), []).append(100.0 * float(success if metric == "success" else reward))
+    return {t: statistics.fmean(v) for t, v in per_task.items()} or None
+
+
+def _different_tasks(a: RunInfo, b: RunInfo, split: str, detail: str) -> ConfigError:
+    return ConfigError(f"runs {a.name!r} and {b.name!r} were evaluated on different task lists for split {split!r} "
+                       f"({detail}); pair only runs evaluated on the same tasks (same env, env.n_{split} and "
+                       f"eval.n_tasks), or compare them in separate calls")
+
+
+def pair_arms(arm: Group, base: Group, label: str, base_label: str, split: str, metric: str,
+              n_boot: int = N_BOOT) -> Paired:
+    """Arm at `label` minus baseline at `base_label`, seeds paired by index and tasks by id.
+
+    Raises ConfigError when two paired runs were evaluated on different task lists of the same environment.
+    """
+    by_seed = {m.seed: m for m in base.members if base_label in m.points}
+    pairs = [(m, by_seed[m.seed]) for m in arm.members if label in m.points and m.seed in by_seed]
+    if not pairs:
+        return Paired(arm.name, label, base_label, None, "no seed index in common with the baseline")
+    envs = {(a.env, b.env) for a, b in pairs if a.env != b.env and "?" not in (a.env, b.env)}
+    if envs:
+        a_env, b_env = sorted(envs)[0]
+        return Paired(arm.name, label, base_label, None, f"different environment ({a_env} vs {b_env})")
+    for a, b in pairs:
+        ha, hb = a.points[label].task_hash, b.points[base_label].task_hash
+        if ha and hb and ha != hb:
+            raise _different_tasks(a, b, split, f"task hash {ha} vs {hb}")
+    outcomes = [(task_outcomes(a.dir, label, split, metric), task_outcomes(b.dir, base_label, split, metric))
+                for a, b in pairs]
+    missing = [run.name for (a, b), (oa, ob) in zip(pairs, outcomes, strict=True) for run, o in ((a, oa), (b, ob))
+               if o is None]
+    if missing:
+        return Paired(arm.name, label, base_label, None, f"no per-task outcomes in {missing[0]}/experience.db")
+    ref_run, tasks = pairs[0][1], sorted(outcomes[0][1] or {})
+    for (a, b), (oa, ob) in zip(pairs, outcomes, strict=True):
+        for run, o in ((a, oa), (b, ob)):
+            if sorted(o or {}) != tasks:
+                raise _different_tasks(run, ref_run, split, "their task ids differ")
+    arm_m = [[(oa or {})[t] for t in tasks] for oa, _ in outcomes]
+    base_m = [[(ob or {})[t] for t in tasks] for _, ob in outcomes]
+    return Paired(arm.name, label, base_label, paired_difference(arm_m, base_m, n_boot, BOOT_SEED))
+
+
+def paired_rows(groups: list[Group], base: Group, split: str, metric: str, n_boot: int = N_BOOT) -> list[Paired]:
+    """Every other arm vs the baseline: at each evaluation label both have, then last point vs last point."""
+    rows = []
+    for g in groups:
+        if g is base:
+            continue
+        shared = [label for label in g.points if label in base.points]
+        compared = [(label, label) for label in shared]
+        final = (list(g.points)[-1], list(base.points)[-1]) if g.points and base.points else None
+        if final and final not in compared:
+            compared.append(final)
+        rows += [pair_arms(g, base, a, b, split, metric, n_boot) for a, b in compared]
+    return rows
+
+
+def _point_name(p: Paired) -> str:
+    return p.label if p.label == p.base_label else f"{p.label} vs {p.base_label}"
+
+
+def paired_table(rows: list[Paired]) -> str:
+    """Markdown: difference (points), 95% bootstrap interval, better / worse (pair, task) cells and the exact p."""
+    lines = ["| runs | evaluation | seed pairs | tasks | difference | 95% interval | better / worse | p |",
+             "|---|---|---|---|---|---|---|---|"]
+    for p in rows:
+        r = p.result
+        if r is None:
+            lines.append(f"| {p.arm} | {_point_name(p)} | not paired: {p.reason} | | | | | |")
+            continue
+        p_cell = format_p(r.p).replace("p = ", "").replace("p ", "")
+        lines.append(f"| {p.arm} | {_point_name(p)} | {r.n_pairs} | {r.n_tasks} | {r.mean:+.1f} | "
+                     f"[{r.lo:+.1f}, {r.hi:+.1f}] | {r.wins} / {r.losses} | {p_cell} |")
+    return "\n".join(lines)
+
+
+def paired_sentence(p: Paired, base: str) -> str:
+    """One line of prose for an arm's last evaluation vs the baseline's, with honest wording about the interval."""
+    head = f"- **{p.arm}** ({p.label}; {base} at {p.base_label})"
+    r = p.result
+    if r is None:
+        return f"{head}: not paired with {base} ({p.reason})."
+    if not r.excludes_zero:
+        verdict = "the interval includes zero: these runs do not show a difference at this sample size"
+    elif r.p >= 0.05:  # a percentile bootstrap over few tasks is too narrow; say so when the exact test disagrees
+        verdict = "the interval excludes zero, but the exact test does not rule out chance (p >= 0.05): too few tasks"
+    else:
+        verdict = "the interval excludes zero"
+    return (f"{head}: difference vs {base}: {r.mean:+.1f} points [{r.lo:+.1f}, {r.hi:+.1f}], {format_p(r.p)} "
+            f"({r.wins} better / {r.losses} worse over {r.n_pairs} seed pair(s) x {r.n_tasks} tasks); {verdict}.")
 
 
 def plot_groups(groups: list[Group], labels: list[str], path: Path, metric: str = "success") -> None:
@@ -152,27 +352,61 @@ def plot_groups(groups: list[Group], labels: list[str], path: Path, metric: str 
     left.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    tmp = path.with_name(path.name + ".tmp")
+    fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)
+    os.replace(tmp, path)
 
 
-def compare(run_dirs: list[Path], split: str, out: Path, metric: str = "success") -> tuple[Path, str]:
-    """Write out/compare.md and out/compare.png; returns the markdown path and the table."""
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def compare(run_dirs: list[Path], split: str, out: Path, metric: str = "success", baseline: str | None = None,
+            n_boot: int = N_BOOT) -> Comparison:
+    """Write out/compare.md and out/compare.png: per-seed values, mean ± sd, paired differences vs the baseline."""
     if metric not in METRICS:
         raise ConfigError(f"--metric must be one of {', '.join(METRICS)} (got {metric!r})")
     if not run_dirs:
         raise ConfigError("give at least one run folder: agentevo compare runs/A-s0 runs/A-s1 runs/B-s0 ...")
     groups = group_runs(run_dirs, split)
+    names = [g.name for g in groups]
+    if baseline is not None and baseline not in names:
+        raise ConfigError(f"--baseline {baseline!r} is not one of the arms ({', '.join(names)}); give an arm name "
+                          "without its -sN suffix")
+    base = groups[names.index(baseline)] if baseline is not None else groups[0]
     labels: list[str] = []
     for g in groups:
         labels += [label for label in g.points if label not in labels]
     if not labels:
         raise ConfigError(f"no run has an evaluation on split {split!r}; pick another with --split")
+    warnings = []
+    envs = list(dict.fromkeys(e for g in groups for e in g.envs if e != "?"))
+    if len(envs) > 1:
+        warnings.append(f"this table mixes environments ({', '.join(envs)}): their numbers are not comparable, and "
+                        "arms of another environment than the baseline's are not paired")
     table = markdown_table(groups, labels, metric)
+    rows = paired_rows(groups, base, split, metric, n_boot)
+    p_table = paired_table(rows) if rows else ""
+    finals = {p.arm: p for p in rows}  # an arm's last row is its last evaluation vs the baseline's last
+    sentences = [paired_sentence(finals[g.name], base.name) for g in groups if g.name in finals]
     plot_groups(groups, labels, out / "compare.png", metric)
     runs = ", ".join(f"`{d}`" for d in run_dirs)
-    text = (f"# Comparison on split `{split}`\n\nRuns: {runs}\n\n{METRICS[metric].capitalize()}, mean ± sd over seeds:\n\n"
-            f"{table}\n\n![comparison](compare.png)\n")
+    test = ("exact McNemar (sign) test on the discordant tasks" if metric == "success" else
+            "exact sign test on the per-task score differences (ties dropped)")
+    text = f"# Comparison on split `{split}`\n\nRuns: {runs}\n\n"
+    text += "".join(f"> warning: {w}\n\n" for w in warnings)
+    text += (f"{METRICS[metric].capitalize()}: mean ± sd over seeds, then each seed's value in the order of the "
+             f"`seeds` column:\n\n{table}\n\n")
+    if rows:
+        text += (f"Paired differences vs `{base.name}` (arm − baseline, points): seeds paired by their -sN index, "
+                 f"tasks by id; 95% interval from a bootstrap over tasks ({n_boot} resamples, RNG seed {BOOT_SEED}, "
+                 f"seed pairs kept); better / worse counts (seed pair, task) cells; p from the two-sided {test}, "
+                 f"pooled over seed pairs:\n\n{p_table}\n\n" + "\n".join(sentences) + "\n\n")
+    text += "![comparison](compare.png)\n"
     path = out / "compare.md"
-    path.write_text(text)
-    return path, table
+    _write_atomic(path, text)
+    return Comparison(path, base.name, table, p_table, sentences, warnings, text)

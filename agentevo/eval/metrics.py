@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from agentevo.data.types import Trajectory
@@ -11,6 +14,24 @@ from agentevo.data.types import Trajectory
 def eval_collection(label: str, split: str) -> str:
     """The experience-store collection of one evaluation: eval/<policy label>/<split>."""
     return f"eval/{label}/{split}"
+
+
+def checkpoint_digest(path: Path) -> str:
+    """sha256 over a checkpoint folder's files (names and bytes: weights, configs, tokenizer, adapter)."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in Path(path).iterdir() if p.is_file()):
+        h.update(f"{f.name}\0{f.stat().st_size}\0".encode())
+        with f.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def eval_label(model: Path, settings: dict[str, Any]) -> str:
+    """The label of a standalone evaluation: the checkpoint folder name and a short hash of everything that decides
+    its result (checkpoint bytes, env, splits, task count, sampling, guides), so a cache is never another's."""
+    key = json.dumps({"checkpoint": checkpoint_digest(model), **settings}, sort_keys=True, default=str)
+    return f"{Path(model).name}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
 
 
 def summarize(trajs: list[Trajectory]) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from agentevo.eval.diagnostics import render_section
 from agentevo.eval.metrics import eval_collection
 
 
@@ -78,6 +79,23 @@ def _task_type_lines(store: Any, rows: list[tuple[str, str, dict[str, Any]]]) ->
     return lines
 
 
+def format_value(value: Any, max_items: int = 12, nested: bool = False) -> str:
+    """A phase result for reading: floats to 4 significant digits, dicts as `key: value` lists (inner ones in
+    parentheses), lists past max_items cut."""
+    if isinstance(value, bool) or value is None:
+        return str(value)
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, dict):
+        text = ", ".join(f"{k}: {format_value(v, max_items, True)}" for k, v in value.items()) or "-"
+        return f"({text})" if nested and value else text
+    if isinstance(value, (list, tuple)):
+        shown = [format_value(v, max_items, True) for v in value[:max_items]]
+        more = f", ... ({len(value)} in all)" if len(value) > max_items else ""
+        return "[" + ", ".join(shown) + more + "]"
+    return str(value)
+
+
 def write_report(run: Any) -> Path:
     """Write report.md (and plots/*.png) from state.json and metrics.jsonl; returns its path."""
     plots = run.dir / "plots"
@@ -113,11 +131,12 @@ def write_report(run: Any) -> Path:
     method_plots = sorted(p.name for p in plots.glob("*.png") if p.name not in ("success.png", "training.png"))
     if method_plots:
         lines += ["", "## Method plots", ""] + [f"![{name[:-4]}](plots/{name})" for name in method_plots]
+    lines += render_section(run.logger.records())  # premise diagnostics (phases diag/<method>), when logged
     extra = {k: v for k, v in run.state.items() if not k.startswith("eval/")}
     if extra:
         lines += ["", "## Phases", ""]
         for key, value in extra.items():
-            lines.append(f"- **{key}**: {value}")
+            lines.append(f"- **{key}**: {format_value(value)}")
     path = run.dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
 import shutil
 from dataclasses import dataclass
@@ -11,9 +14,16 @@ from typing import Any
 import torch
 
 from agentevo.agent.chat import ChatRenderer
-from agentevo.errors import ConfigError
+from agentevo.errors import AgentevoError, ConfigError
 from agentevo.models import placement
-from agentevo.models.prefix_cache import PrefixKVCache, generate_cached, supports_prefix_cache
+from agentevo.models.prefix_cache import (
+    PrefixKVCache,
+    SlotKVCache,
+    generate_cached,
+    generate_slots,
+    supports_prefix_cache,
+    supports_slot_cache,
+)
 
 
 def _quiet_transformers() -> None:
@@ -24,6 +34,58 @@ def _quiet_transformers() -> None:
 
 
 _quiet_transformers()
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+
+
+class DamagedCheckpointError(AgentevoError):
+    """A checkpoint file is missing, truncated or altered (its content hash differs from the folder's manifest)."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(folder: str | Path) -> Path:
+    """Record the sha256 of every file under folder in folder/manifest.json; call it last, when the folder is
+    complete (the manifest itself is written atomically)."""
+    folder = Path(folder)
+    files = {p.relative_to(folder).as_posix(): _sha256(p) for p in sorted(folder.rglob("*"))
+             if p.is_file() and not (p.parent == folder and p.name in (MANIFEST, MANIFEST + ".tmp"))}
+    tmp = folder / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps({"sha256": files}, indent=1))
+    os.replace(tmp, folder / MANIFEST)
+    return folder / MANIFEST
+
+
+def verify_manifest(folder: str | Path) -> bool:
+    """Check a checkpoint folder's files against its manifest.json: True when they match, False when the folder has
+    no manifest (written before manifests existed: loaded unverified); DamagedCheckpointError naming the file else."""
+    folder = Path(folder)
+    manifest = folder / MANIFEST
+    if not manifest.exists():
+        log.debug("%s has no %s; loading it unverified", folder, MANIFEST)
+        return False
+    fix = "re-create the checkpoint (rerun the phase that wrote it) or copy it again from where it came"
+    try:
+        files = json.loads(manifest.read_text())["sha256"]
+        entries = [(str(k), str(v)) for k, v in files.items()]
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise DamagedCheckpointError(f"checkpoint manifest {manifest} is unreadable ({exc}); {fix}") from exc
+    for rel, digest in entries:
+        path = folder / rel
+        if not path.is_file():
+            raise DamagedCheckpointError(f"checkpoint file {path} is missing (listed in {manifest}); {fix}")
+        if _sha256(path) != digest:
+            raise DamagedCheckpointError(f"checkpoint file {path} is damaged: its sha256 differs from the one in "
+                                         f"{manifest}; {fix}")
+    return True
 
 
 @dataclass(frozen=True)
@@ -67,10 +129,15 @@ class TransformersPolicy:
 
     def __init__(
         self, model: Any, tokenizer: Any, policy_id: str = "init", batch_size: int = 16, prefix_cache: int = 64,
-        prefix_cache_gb: float = 4.0,
+        prefix_cache_gb: float = 4.0, kv_engine: str = "slots",
     ) -> None:
         """prefix_cache: sequences whose keys/values are kept for reuse across turns (0 = off, plain generate),
-        in at most prefix_cache_gb GiB."""
+        in at most prefix_cache_gb GiB. kv_engine 'slots': persistent per-sequence KV rows extended in place
+        (sdpa/eager attention); 'prefix': the earlier path that rebuilds a padded cache per call (kept for the
+        bench); a model the slot path cannot run uses 'prefix'."""
+        if kv_engine not in ("slots", "prefix"):
+            raise ConfigError(f"kv_engine must be 'slots' or 'prefix' (got {kv_engine!r})")
+        self.kv_engine = kv_engine
         self.model = model
         self.tokenizer = tokenizer
         self.renderer = ChatRenderer(tokenizer)
@@ -79,8 +146,14 @@ class TransformersPolicy:
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         self.pad_id = int(tokenizer.pad_token_id)
-        self.kv_cache = (PrefixKVCache(model, prefix_cache, int(prefix_cache_gb * (1 << 30)))
-                         if prefix_cache > 0 and supports_prefix_cache(model) else None)
+        self.kv_cache: PrefixKVCache | SlotKVCache | None = (
+            self._new_cache(model, prefix_cache, int(prefix_cache_gb * (1 << 30)))
+            if prefix_cache > 0 and supports_prefix_cache(model) else None)
+
+    def _new_cache(self, model: Any, capacity: int, max_bytes: int) -> PrefixKVCache | SlotKVCache:
+        if self.kv_engine == "slots" and supports_slot_cache(model):
+            return SlotKVCache(model, capacity, max_bytes)
+        return PrefixKVCache(model, capacity, max_bytes)
 
     @property
     def device(self) -> torch.device:
@@ -97,7 +170,9 @@ class TransformersPolicy:
         for start in range(0, len(order), self.batch_size):
             chunk = order[start : start + self.batch_size]
             batch = [prompts[i] for i in chunk]
-            gens = self._generate_cached(batch, sampling) if self._cache_usable() else self._generate_batch(batch, sampling)
+            with placement.autocast():  # bf16 autocast when model.dtype auto resolved to bf16, else nothing
+                gens = (self._generate_cached(batch, sampling) if self._cache_usable()
+                        else self._generate_batch(batch, sampling))
             for i, gen in zip(chunk, gens, strict=True):
                 out[i] = gen
         return [g for g in out if g is not None]
@@ -106,13 +181,14 @@ class TransformersPolicy:
         if self.kv_cache is None:
             return False
         if self.kv_cache.model is not self.model:  # the model was swapped (e.g. wrapped with LoRA)
-            self.kv_cache = PrefixKVCache(self.model, self.kv_cache.capacity, self.kv_cache.max_bytes)
+            self.kv_cache = self._new_cache(self.model, self.kv_cache.capacity, self.kv_cache.max_bytes)
         return True
 
     def _generate_cached(self, prompts: list[list[int]], sampling: Sampling) -> list[Generation]:
         assert self.kv_cache is not None
-        replies = generate_cached(
-            self.model, self.kv_cache, prompts, sampling.max_new_tokens,
+        run = generate_slots if isinstance(self.kv_cache, SlotKVCache) else generate_cached
+        replies = run(
+            self.model, self.kv_cache, prompts, sampling.max_new_tokens,  # type: ignore[arg-type]
             0.0 if sampling.greedy else sampling.temperature, sampling.top_p, sampling.top_k, self.renderer.stop_ids,
             self.pad_id,
         )
@@ -172,6 +248,7 @@ def save_pretrained_atomic(model: Any, tokenizer: Any, path: str | Path) -> Path
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    write_manifest(tmp)
     if path.exists():
         old = path.with_name(path.name + ".old")
         if old.exists():
@@ -194,25 +271,25 @@ def require_checkpoint(path: Path) -> None:
                           f"(no config.json){hint}; give a checkpoint folder such as runs/NAME/checkpoints/bc")
 
 
-def load_pretrained(path: str | Path, gguf_file: str | None = None) -> tuple[Any, Any]:
+def load_pretrained(path: str | Path, gguf_file: str | None = None,
+                    attn_implementation: str | None = None) -> tuple[Any, Any]:
     """Load a local causal LM and its tokenizer on this process's device and dtype (models/placement.py; fp32 on
-    the CPU by default); GGUF files are dequantised and made saveable."""
+    the CPU by default); GGUF files are dequantised and made saveable. `path` is a folder or a hub id found offline
+    in the local Hugging Face cache; attn_implementation None = the process's model.attn_implementation."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise ConfigError(
-            f"model path {str(p)!r} does not exist; point model.path at a local save_pretrained folder "
-            "(or a folder with a GGUF file and model.gguf_file), or leave it null for the tiny model"
-        )
+    p = placement.resolve_model_path(path, "model path")  # never the network: local_files_only below too
     kwargs: dict[str, Any] = {"local_files_only": True}
+    attn = attn_implementation or placement.attn_implementation()
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
     else:
         require_checkpoint(p)
+    verify_manifest(p)  # a damaged or altered checkpoint is an error, never silently different weights
     try:
         tokenizer = AutoTokenizer.from_pretrained(p, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32, **kwargs,
+                                                     **({"attn_implementation": attn} if attn else {}))
     except (OSError, ValueError) as exc:  # missing files; a folder without a tokenizer raises ValueError
         raise ConfigError(f"could not load a causal LM from {str(p)!r}: {exc}") from exc
     if gguf_file:
@@ -220,7 +297,8 @@ def load_pretrained(path: str | Path, gguf_file: str | None = None) -> tuple[Any
         config = model.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config
-        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                 **({"attn_implementation": attn} if attn else {}))
         plain.load_state_dict(model.state_dict())
         model = plain
     model = placement.place(model)

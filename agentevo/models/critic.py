@@ -35,6 +35,7 @@ from agentevo.agent.prompt import HistoryTurn, build_messages
 from agentevo.algorithms import losses
 from agentevo.data.tensors import step_prompt_ids
 from agentevo.data.types import Trajectory
+from agentevo.eval.diagnostics import relative_drift
 
 CRITIC_ADAPTER = "critic"
 
@@ -281,7 +282,7 @@ def q_loss(out: dict[str, Tensor], batch: dict[str, Tensor], gamma: float) -> Te
 
 @dataclass
 class CriticFit:
-    """Optimisation settings of the critic."""
+    """Optimisation settings of the critic: the budget is `steps` optimiser steps, or `epochs` passes when steps=0."""
 
     tau: float = 0.7
     gamma: float = 0.99
@@ -291,6 +292,12 @@ class CriticFit:
     batch_size: int = 64
     micro_batch_size: int = 8
     grad_clip: float = 1.0
+    steps: int = 0  # > 0: exactly this many optimiser steps, reshuffling D each pass (epochs is then unused)
+
+    def total_steps(self, n_items: int) -> int:
+        """Optimiser steps of a fit on n_items trajectories."""
+        per_epoch = -(-n_items // self.batch_size) if n_items else 0
+        return self.steps if self.steps > 0 and per_epoch else self.epochs * per_epoch
 
 
 def _clip(params: list[nn.Parameter], max_norm: float) -> float:
@@ -312,8 +319,10 @@ def fit_critic(
 ) -> list[dict[str, float]]:
     """Weighted IQL on the items; per minibatch: V step -> Q step (against the new V) -> Polyak [P:IQL learner.py].
 
-    Returns one record per epoch (mean L_V, L_Q). Each loss is normalised by the minibatch's Σw, also when the
-    minibatch is split into micro-batches.
+    Returns one record per pass over the items (mean L_V, L_Q; the last pass may be partial when fit.steps is set),
+    each with the optimiser steps so far and the relative L2 drift of the target and online Q heads from their
+    weights at the start of the fit. Each loss is normalised by the minibatch's Σw, also when the minibatch is split
+    into micro-batches.
     """
     params = critic.trainable_parameters()
     # One AdamW over backbone + heads: parameters without a gradient in a step (the Q heads in the V step, the
@@ -321,13 +330,19 @@ def fit_critic(
     optimizer = torch.optim.AdamW(params, lr=fit.lr, weight_decay=0.0)
     rng = random.Random(seed)
     step = 0
+    total = fit.total_steps(len(items))
+    target0 = [p.detach().clone() for p in critic.target_q_heads.parameters()]
+    online0 = [p.detach().clone() for p in critic.q_heads.parameters()]
     epochs: list[dict[str, float]] = []
     critic.train()
-    for epoch in range(fit.epochs):
+    epoch = 0
+    while step < total:
         order = list(range(len(items)))
         rng.shuffle(order)
         sums = {"loss_v": 0.0, "loss_q": 0.0, "n": 0}
         for start in range(0, len(order), fit.batch_size):
+            if step >= total:
+                break
             chosen = [items[i] for i in order[start : start + fit.batch_size]]
             micro = [chosen[j : j + fit.micro_batch_size] for j in range(0, len(chosen), fit.micro_batch_size)]
             batches = [collate_critic(m, pad_id) for m in micro]
@@ -354,7 +369,12 @@ def fit_critic(
             if on_step is not None:
                 on_step(step, record)
         n = max(1, sums["n"])
-        epochs.append({"epoch": epoch + 1, "loss_v": sums["loss_v"] / n, "loss_q": sums["loss_q"] / n})
+        epoch += 1
+        epochs.append({
+            "epoch": epoch, "loss_v": sums["loss_v"] / n, "loss_q": sums["loss_q"] / n, "steps": step,
+            "target_drift": relative_drift([p.detach() for p in critic.target_q_heads.parameters()], target0),
+            "online_drift": relative_drift([p.detach() for p in critic.q_heads.parameters()], online0),
+        })
     critic.eval()
     return epochs
 

@@ -26,6 +26,7 @@ must refuse steps whose logprobs are None.
 from __future__ import annotations
 
 import dataclasses
+import http.client
 import json
 import os
 import time
@@ -38,12 +39,18 @@ from typing import TYPE_CHECKING, Any
 from agentevo.agent.chat import ChatRenderer
 from agentevo.agent.prompt import build_messages
 from agentevo.errors import AgentevoError, ConfigError
-from agentevo.options import option
+from agentevo.options import check_fields, option
 
 if TYPE_CHECKING:  # backend imports torch; this module stays light so config.py can import HTTPConfig
     from agentevo.models.backend import Generation, Sampling
 
 MODES = ("completions", "chat")
+
+
+def _snippet(raw: bytes, limit: int = 200) -> str:
+    """The start of a server's answer on one line (for error messages)."""
+    text = " ".join(raw.decode(errors="replace").split())
+    return repr(text[:limit] + ("..." if len(text) > limit else ""))
 
 
 @dataclass
@@ -54,17 +61,20 @@ class HTTPConfig:
     model: str | None = option("model name sent with each request (null = the first one /v1/models lists)", None)
     mode: str = option("'completions' (token-id prompts, ids and log-probs kept) or 'chat' (text only)", "completions")
     api_key_env: str | None = option("environment variable holding the API key (null = no key)", None)
-    timeout_s: float = option("seconds to wait for one HTTP answer", 300.0)
-    max_concurrency: int = option("requests in flight at once (chat mode sends one request per episode)", 16)
-    retries: int = option("retries of a request that failed to connect or got a 5xx answer", 3)
+    timeout_s: float = option("seconds to wait for one HTTP answer (connect, and each read of the reply); a slower "
+                              "answer counts as a failed try", 60.0, gt=0, le=3600)
+    max_concurrency: int = option("requests in flight at once (chat mode sends one request per episode)", 16, ge=1)
+    retries: int = option("retries of a request that failed to connect, got a 5xx answer or a malformed one "
+                          "(not JSON, cut short); by default 60 s x 3 tries", 2, ge=0, le=20)
+    deadline_s: float = option("most seconds one request may take in all, tries and back-off waits included; then "
+                               "it fails with an error naming the server", 200.0, gt=0)
 
     def validate(self) -> None:
+        check_fields(self, "model.http")  # the ranges declared on the fields
         if self.mode not in MODES:
             raise ConfigError(f"model.http.mode must be one of {', '.join(MODES)} (got {self.mode!r})")
         if not self.base_url.startswith(("http://", "https://")):
             raise ConfigError(f"model.http.base_url must start with http:// or https:// (got {self.base_url!r})")
-        if self.timeout_s <= 0 or self.max_concurrency < 1 or self.retries < 0:
-            raise ConfigError("model.http.timeout_s must be > 0, max_concurrency >= 1 and retries >= 0")
 
 
 class HTTPPolicy:
@@ -78,10 +88,11 @@ class HTTPPolicy:
         policy_id: str = "http",
         mode: str = "completions",
         api_key: str | None = None,
-        timeout_s: float = 300.0,
+        timeout_s: float = 60.0,
         batch_size: int = 16,
         max_concurrency: int = 16,
-        retries: int = 3,
+        retries: int = 2,
+        deadline_s: float = 200.0,
     ) -> None:
         if mode not in MODES:
             raise ConfigError(f"HTTPPolicy mode must be one of {', '.join(MODES)} (got {mode!r})")
@@ -94,7 +105,7 @@ class HTTPPolicy:
                 tokenizer.pad_token = tokenizer.eos_token
             self.pad_id = int(tokenizer.pad_token_id)
         self.policy_id, self.mode = policy_id, mode
-        self.api_key, self.timeout_s, self.retries = api_key, timeout_s, retries
+        self.api_key, self.timeout_s, self.retries, self.deadline_s = api_key, timeout_s, retries, deadline_s
         self.batch_size, self.max_concurrency = batch_size, max_concurrency
         self._model = model
         self.requests = 0  # HTTP requests sent (tests and logs)
@@ -104,43 +115,70 @@ class HTTPPolicy:
         """A policy from the model.http config section."""
         key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
         return cls(cfg.base_url, tokenizer, cfg.model, policy_id, cfg.mode, key, cfg.timeout_s, batch_size,
-                   cfg.max_concurrency, cfg.retries)
+                   cfg.max_concurrency, cfg.retries, cfg.deadline_s)
 
     # -- transport ---------------------------------------------------------------------------------
-    def _request(self, route: str, payload: dict[str, Any] | None = None) -> dict[str, Any]:
+    def _request(self, route: str, payload: dict[str, Any] | None = None, expect: str = "choices") -> dict[str, Any]:
+        """One call, retried on connection failures, 5xx answers and malformed answers, within deadline_s."""
         url = f"{self.base_url}/{route}"
         data = None if payload is None else json.dumps(payload).encode()
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        last: Exception | None = None
+        last, tries = "nothing", 0
+        deadline = time.monotonic() + self.deadline_s
         for attempt in range(self.retries + 1):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
             req = urllib.request.Request(url, data=data, headers=headers, method="GET" if data is None else "POST")
+            tries += 1
+            raw = b""
             try:
                 self.requests += 1
-                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                    return json.loads(resp.read())
+                with urllib.request.urlopen(req, timeout=min(self.timeout_s, left)) as resp:
+                    raw = resp.read()
+                answer = json.loads(raw)
+                if isinstance(answer, dict) and isinstance(answer.get(expect), list):
+                    return answer
+                last = f"a 200 answer without a {expect!r} list: {_snippet(raw)}"
             except urllib.error.HTTPError as exc:
-                detail = exc.read().decode(errors="replace")[:500]
+                detail = _snippet(exc.read())
                 if exc.code < 500:  # the server refused the request itself: retrying will not help
                     raise AgentevoError(f"{url} answered {exc.code}: {detail}") from exc
-                last = AgentevoError(f"{url} answered {exc.code}: {detail}")
-            except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
-                last = exc
-            time.sleep(min(8.0, 0.5 * 2**attempt))
+                last = f"HTTP {exc.code}: {detail}"
+            except (ValueError, UnicodeDecodeError):  # json.JSONDecodeError is a ValueError
+                last = f"a 200 answer that is not JSON: {_snippet(raw)}"
+            except http.client.IncompleteRead as exc:
+                last = f"a reply cut short after {len(exc.partial)} bytes"
+            except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError, OSError) as exc:
+                last = " ".join(repr(exc).split())
+            pause = min(8.0, 0.5 * 2**attempt, deadline - time.monotonic())
+            if attempt < self.retries and pause > 0:
+                time.sleep(pause)
         raise AgentevoError(
-            f"no answer from the OpenAI-compatible server at {self.base_url} after {self.retries + 1} tries "
-            f"({last!r}); is it running, and is model.http.base_url right?"
+            f"no answer from the OpenAI-compatible server at {url} could be used: {tries} tries within "
+            f"{self.deadline_s:g} s, the last gave {last}; is it running, and is model.http.base_url right?"
         )
+
+    def _chat_reply(self, answer: dict[str, Any]) -> tuple[str, str | None]:
+        """(content, finish_reason) of a chat answer's first choice; a malformed choice is a one-line error."""
+        choice = answer["choices"][0] if answer["choices"] else None
+        message = choice.get("message") if isinstance(choice, dict) else None
+        if not isinstance(message, dict):
+            raise AgentevoError(f"{self.base_url}/chat/completions answered a choice without a message: "
+                                f"{_snippet(json.dumps(answer).encode())}")
+        return str(message.get("content") or ""), choice.get("finish_reason")
 
     @property
     def model(self) -> str:
         """The served model name (asked from /v1/models once when not given)."""
         if self._model is None:
-            listed = self._request("models").get("data") or []
-            if not listed:
+            listed = self._request("models", expect="data")["data"]
+            ids = [m["id"] for m in listed if isinstance(m, dict) and m.get("id")]
+            if not ids:
                 raise AgentevoError(f"{self.base_url}/models lists no model; set model.http.model")
-            self._model = str(listed[0]["id"])
+            self._model = str(ids[0])
         return self._model
 
     def _need_renderer(self) -> ChatRenderer:
@@ -182,7 +220,8 @@ class HTTPPolicy:
 
         def one(chunk: list[list[int]]) -> list[Generation]:
             answer = self._request("completions", {**body, "prompt": chunk})
-            choices = sorted(answer["choices"], key=lambda c: c.get("index", 0))
+            choices = [c for c in answer["choices"] if isinstance(c, dict)]
+            choices.sort(key=lambda c: c.get("index", 0) if isinstance(c.get("index", 0), int) else 0)
             if len(choices) != len(chunk):
                 raise AgentevoError(f"{self.base_url}/completions answered {len(choices)} choices for {len(chunk)} prompts")
             return [self._completion_generation(c) for c in choices]
@@ -209,8 +248,7 @@ class HTTPPolicy:
 
         def one(messages: list[dict[str, str]]) -> Generation:
             answer = self._request("chat/completions", {"model": self.model, "messages": messages, **fields})
-            choice = answer["choices"][0]
-            return self._text_only(choice["message"].get("content") or "", choice.get("finish_reason"))
+            return self._text_only(*self._chat_reply(answer))
 
         with ThreadPoolExecutor(max_workers=min(self.max_concurrency, max(1, len(conversations)))) as ex:
             return list(ex.map(one, conversations))
@@ -223,7 +261,7 @@ class HTTPPolicy:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt_text}]
         fields = self._sampling_fields(sampling, chat=True)
         answer = self._request("chat/completions", {"model": self.model, "messages": messages, **fields})
-        return str(answer["choices"][0]["message"].get("content") or "")
+        return self._chat_reply(answer)[0]
 
 
 class HTTPChatActor:

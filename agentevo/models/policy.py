@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from agentevo.agent.chat import use_chat_template
 from agentevo.agent.prompt import FORMAT_ERROR_OBSERVATION
 from agentevo.config import RunConfig
 from agentevo.data.types import Trajectory
@@ -24,12 +25,17 @@ def tokenizer_corpus(instruction: str, trajs: list[Trajectory]) -> list[str]:
 
 
 def initial_policy(cfg: RunConfig, corpus: list[str]) -> TransformersPolicy:
-    """The run's starting policy: a local model when model.path is set, else the tiny model."""
+    """The run's starting policy: a local model (or a hub id in the local HF cache) when model.path is set, else the
+    tiny model; with model.attn_implementation and model.chat_template applied (the template is saved with the
+    tokenizer, so every later checkpoint renders with it)."""
+    attn = cfg.model.attn_implementation
     if cfg.model.path is not None:
-        model, tokenizer = load_pretrained(cfg.model.path, cfg.model.gguf_file)
+        model, tokenizer = load_pretrained(cfg.model.path, cfg.model.gguf_file, attn_implementation=attn)
     else:
         tokenizer = train_tokenizer(corpus, cfg.model.tiny.vocab_size)
-        model = placement.place(build_tiny_model(cfg.model.tiny, tokenizer, cfg.seed))
+        model = placement.place(build_tiny_model(cfg.model.tiny, tokenizer, cfg.seed, attn_implementation=attn))
+    if cfg.model.chat_template is not None:
+        use_chat_template(tokenizer, cfg.model.chat_template)
     model.eval()
     return TransformersPolicy(model, tokenizer, "init", cfg.rollout.batch_size, cfg.rollout.prefix_cache,
                               cfg.rollout.prefix_cache_gb)

@@ -45,8 +45,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Any:
     return wrapped
 
 
-def build_tiny_model(cfg: TinyModelConfig, tokenizer: Any, seed: int) -> Any:
-    """A randomly initialised Llama-style causal LM sized by cfg, with tied embeddings."""
+def build_tiny_model(cfg: TinyModelConfig, tokenizer: Any, seed: int, attn_implementation: str | None = None) -> Any:
+    """A randomly initialised Llama-style causal LM sized by cfg, with tied embeddings; attn_implementation as
+    model.attn_implementation (None = transformers' default)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -64,6 +65,7 @@ def build_tiny_model(cfg: TinyModelConfig, tokenizer: Any, seed: int) -> Any:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.convert_tokens_to_ids("<|end|>"),
         rope_theta=10000.0,
+        **({"attn_implementation": attn_implementation} if attn_implementation else {}),
     )
     model = LlamaForCausalLM(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentevo.errors import ConfigError, MissingDependencyError
-from agentevo.options import option
+from agentevo.options import check_fields, option
 
 if TYPE_CHECKING:  # backend imports torch; this module stays light so config.py can import VLLMConfig
     from agentevo.models.backend import Generation, Sampling
@@ -42,27 +42,21 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 class VLLMConfig:
     """The vLLM engine used for rollouts and evaluation (model.backend = vllm)."""
 
-    gpu_memory_utilization: float = option("fraction of each GPU's memory vLLM may take (weights + KV cache)", 0.85)
-    tensor_parallel_size: int = option("GPUs one engine spans (8B fits one GPU; 1 is fastest when it fits)", 1)
-    max_model_len: int | None = option("longest prompt + reply in tokens (null = the model's own limit)", None)
+    gpu_memory_utilization: float = option("fraction of each GPU's memory vLLM may take (weights + KV cache)", 0.85,
+                                           gt=0, le=1)
+    tensor_parallel_size: int = option("GPUs one engine spans (8B fits one GPU; 1 is fastest when it fits)", 1, ge=1)
+    max_model_len: int | None = option("longest prompt + reply in tokens (null = the model's own limit)", None, ge=16)
     dtype: str = option("weights and activations: auto (the checkpoint's), bfloat16, float16, float32", "auto")
     enable_lora: bool = option("serve LoRA adapters per round (load_adapter) instead of merged checkpoints", False)
-    max_lora_rank: int = option("largest LoRA rank the engine accepts (>= model.lora.r)", 64)
+    max_lora_rank: int = option("largest LoRA rank the engine accepts (>= model.lora.r)", 64, ge=1)
     enable_prefix_caching: bool = option("reuse the KV cache of shared prompt prefixes (multi-turn prompts)", True)
     enable_sleep_mode: bool = option("allow sleep()/wake_up() to lend the GPUs to training between rounds", False)
     enforce_eager: bool = option("no CUDA graphs (slower, starts faster; for debugging)", False)
 
     def validate(self) -> None:
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ConfigError(f"model.vllm.gpu_memory_utilization must be in (0, 1] (got {self.gpu_memory_utilization})")
-        if self.tensor_parallel_size < 1:
-            raise ConfigError(f"model.vllm.tensor_parallel_size must be >= 1 (got {self.tensor_parallel_size})")
+        check_fields(self, "model.vllm")  # the ranges declared on the fields
         if self.dtype not in DTYPES:
             raise ConfigError(f"model.vllm.dtype must be one of {', '.join(DTYPES)} (got {self.dtype!r})")
-        if self.max_model_len is not None and self.max_model_len < 16:
-            raise ConfigError(f"model.vllm.max_model_len must be >= 16 or null (got {self.max_model_len})")
-        if self.max_lora_rank < 1:
-            raise ConfigError(f"model.vllm.max_lora_rank must be >= 1 (got {self.max_lora_rank})")
 
 
 def _vllm() -> Any:

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 from agentevo.agent.prompt import FORMAT_ERROR_OBSERVATION, HistoryTurn, build_messages, expert_reply, parse_action
 from agentevo.data.types import Step, Trajectory, final_reward
 from agentevo.envs.base import Task
-from agentevo.errors import AgentevoError, EnvCrashedError
+from agentevo.errors import EnvCrashedError
 from agentevo.models.backend import Generation, Sampling
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,8 @@ def run_episodes(
     """Play every request to the end with up to pool.size episodes in flight; returns trajectories in request order.
 
     `signal_env` is a local env instance used for its pure parts (signals, final-reward mode, instruction).
-    An episode whose env process dies is restarted from its reset, up to max_retries times.
+    An episode whose env crashes or hangs (the pool's step timeout) is restarted from its reset, up to max_retries
+    times; after that it is recorded as an errored episode (no steps, reward 0, meta "error") and the run goes on.
     """
     pending = list(range(len(requests)))[::-1]
     free = list(range(pool.size))[::-1]
@@ -150,31 +151,37 @@ def run_episodes(
     def retry(ep: Episode, exc: Exception) -> None:
         if not isinstance(exc, EnvCrashedError):
             raise exc
-        ep.retries += 1
-        log.warning("episode %s: environment crashed (%s); retry %d/%d", ep.request.task.task_id, exc,
-                    ep.retries, max_retries)
-        if ep.retries > max_retries:
-            raise AgentevoError(
-                f"episode {ep.request.task.task_id} failed {max_retries + 1} times because its environment "
-                f"crashed; last error: {exc}"
-            ) from exc
         pool.restart(ep.worker)
+        if ep.retries >= max_retries:
+            # One broken task must not stop a collection of hundreds: record it and let the run go on.
+            log.error("episode %s failed %d times because its environment crashed or hung; recorded as an "
+                      "errored episode; last error: %s", ep.request.task.task_id, ep.retries + 1, exc)
+            finish(ep, error=str(exc))
+            return
+        ep.retries += 1
+        log.warning("episode %s: environment crashed or hung (%s); retry %d/%d", ep.request.task.task_id, exc,
+                    ep.retries, max_retries)
         fresh = Episode(ep.request, ep.worker, retries=ep.retries)
         start([fresh])
 
-    def finish(ep: Episode) -> None:
-        scores = [s.score for s in ep.steps]
-        last_info = ep.steps[-1].info if ep.steps else {}
+    def finish(ep: Episode, error: str | None = None) -> None:
+        # An errored episode keeps none of its last attempt's steps: it was never played to its end.
+        steps = [] if error is not None else ep.steps
+        scores = [s.score for s in steps]
+        last_info = steps[-1].info if steps else {}
+        meta = {**ep.request.meta, "retries": ep.retries, "prefix": ep.request.prefix}
+        if error is not None:
+            meta["error"] = error
         traj = Trajectory(
             task=ep.request.task,
             source=actor.source,
             policy_id=actor.policy_id,
             instruction=signal_env.instruction(),
-            steps=ep.steps,
+            steps=steps,
             final_reward=final_reward(scores, signal_env.final_reward_mode),
             success=bool(last_info.get("success", False)),
             goal=ep.goal,
-            meta={**ep.request.meta, "retries": ep.retries, "prefix": ep.request.prefix},
+            meta=meta,
         )
         k = index_of[id(ep.request)]
         results[k] = traj

@@ -13,6 +13,7 @@ from typing import Any
 
 from agentevo import dist
 from agentevo.config import OptimConfig
+from agentevo.models import placement
 from agentevo.models.policy import with_lora
 from agentevo.train.loop import LossFn, train
 
@@ -61,4 +62,5 @@ def finetune(
         from agentevo.models.backend import load_pretrained
 
         policy.model = load_pretrained(target)[0].eval()
-    return {**stats, "processes": dist.world_size()}
+    # what the phase computed in (model.dtype auto resolves per machine), so state.json says what ran
+    return {**stats, "processes": dist.world_size(), "precision": placement.describe()}

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
+import pickle
 import random
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,8 +18,12 @@ import torch
 
 from agentevo.config import OptimConfig
 from agentevo.data.tensors import StepSample, collate
-from agentevo.errors import ConfigError
+from agentevo.errors import AgentevoError, ConfigError
+from agentevo.models import placement
+from agentevo.models.backend import DamagedCheckpointError, verify_manifest, write_manifest
 from agentevo.train.tracking import MetricsLogger
+
+log = logging.getLogger(__name__)
 
 LossFn = Callable[[Any, dict[str, Any]], tuple[torch.Tensor, dict[str, float]]]
 
@@ -86,13 +94,21 @@ def _save_final(accelerator: Any, model: Any, tokenizer: Any, path: Path) -> Non
         accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        write_manifest(tmp)
         if path.exists():
             shutil.rmtree(path)
         tmp.rename(path)
     accelerator.wait_for_everyone()
 
 
+def _rng_state() -> dict[str, Any]:
+    """Torch's CPU and CUDA generator states as uint8 tensors: what torch.load(weights_only=True) accepts."""
+    cuda = [t.cpu() for t in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else []
+    return {"cpu": torch.get_rng_state(), "cuda": cuda}
+
+
 def _save_state(ckpt: Path, model: Any, tokenizer: Any, optimizer: Any, step: int, extra: dict[str, Any]) -> None:
+    """Write the resume checkpoint: model, optimiser, RNG and step, then its manifest; swapped in atomically."""
     tmp = ckpt.with_name(ckpt.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -100,32 +116,90 @@ def _save_state(ckpt: Path, model: Any, tokenizer: Any, optimizer: Any, step: in
     model.save_pretrained(tmp / "model")
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp / "model")
-    torch.save({"optimizer": optimizer.state_dict(), "rng": torch.get_rng_state()}, tmp / "optimizer.pt")
+    torch.save({"optimizer": optimizer.state_dict(), "rng": _rng_state()}, tmp / "optimizer.pt")
     (tmp / "state.json").write_text(json.dumps({"step": step, **extra}))
+    write_manifest(tmp)
+    old = ckpt.with_name(ckpt.name + ".old")  # the previous checkpoint stays until the new one is in place
+    if old.exists():
+        shutil.rmtree(old)
     if ckpt.exists():
-        shutil.rmtree(ckpt)
-    tmp.rename(ckpt)
+        os.replace(ckpt, old)
+    os.replace(tmp, ckpt)
+    if old.exists():
+        shutil.rmtree(old)
 
 
-def _load_state(ckpt: Path, model: Any, optimizer: Any) -> int:
+def _read_state(ckpt: Path) -> tuple[dict[str, torch.Tensor], bool, dict[str, Any], int]:
+    """Read a resume checkpoint into memory without applying anything: (weights, is_lora, optimizer blob, step).
+
+    DamagedCheckpointError when a file is missing, truncated or differs from the manifest; AgentevoError when
+    optimizer.pt holds anything but tensors and plain values (nothing in it is executed: weights_only=True).
+    """
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    verify_manifest(ckpt)
     weights = ckpt / "model" / "model.safetensors"
-    if weights.exists():
+    lora = not weights.exists()
+    if lora:
+        weights = ckpt / "model" / "adapter_model.safetensors"
+    try:
         state = load_file(str(weights))
+        blob = torch.load(ckpt / "optimizer.pt", weights_only=True, map_location="cpu")
+        step = int(json.loads((ckpt / "state.json").read_text())["step"])
+        if not isinstance(blob, dict) or "optimizer" not in blob:
+            raise ValueError("optimizer.pt has no optimizer state")
+    except pickle.UnpicklingError as exc:
+        raise AgentevoError(
+            f"refusing to load {ckpt / 'optimizer.pt'}: it holds objects other than tensors and plain values, so it "
+            f"is damaged or was crafted (loading it could run code); delete {ckpt} to restart this phase from its "
+            "start") from exc
+    except (OSError, RuntimeError, ValueError, KeyError, TypeError, EOFError, SafetensorError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DamagedCheckpointError(f"checkpoint {ckpt} is damaged ({first})") from exc
+    return state, lora, blob, step
+
+
+def _apply_state(ckpt: Path, model: Any, optimizer: Any, state: dict[str, torch.Tensor], lora: bool,
+                 blob: dict[str, Any]) -> None:
+    """Load what _read_state read into the model, the optimiser and torch's generators."""
+    if lora:
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, state)
+    else:
         missing, unexpected = model.load_state_dict(state, strict=False)
         # tied embeddings are saved once; anything else missing means a different model
         if unexpected or [k for k in missing if "lm_head" not in k]:
             raise RuntimeError(f"checkpoint {ckpt} does not match the model (missing {missing}, unexpected {unexpected})")
-    else:  # LoRA adapters
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file as load_adapter
-
-        set_peft_model_state_dict(model, load_adapter(str(ckpt / "model" / "adapter_model.safetensors")))
-    blob = torch.load(ckpt / "optimizer.pt", weights_only=False)
     optimizer.load_state_dict(blob["optimizer"])
-    torch.set_rng_state(blob["rng"])
-    return int(json.loads((ckpt / "state.json").read_text())["step"])
+    rng = blob.get("rng")
+    if isinstance(rng, torch.Tensor):  # checkpoints written before the CUDA states were kept
+        torch.set_rng_state(rng)
+    elif isinstance(rng, dict):
+        torch.set_rng_state(rng["cpu"])
+        if rng.get("cuda") and torch.cuda.is_available() and len(rng["cuda"]) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def _resume(work_dir: Path, model: Any, optimizer: Any, phase: str, main: bool) -> int:
+    """Load the newest good resume checkpoint of work_dir (last/, or last.old/ left by a save cut short) and return
+    its step, 0 when there is none. A damaged one is set aside as NAME.damaged-TIME with a warning, and the phase
+    goes on from the next good state (the older checkpoint, else the phase start)."""
+    for ckpt in (work_dir / "last", work_dir / "last.old"):
+        if not ckpt.exists():
+            continue
+        try:
+            state, lora, blob, step = _read_state(ckpt)
+        except DamagedCheckpointError as exc:
+            if main:  # one process renames; the others read the same damage and skip it too
+                aside = ckpt.with_name(f"{ckpt.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
+                os.replace(ckpt, aside)
+                log.warning("%s; set it aside as %s, %s goes on from the previous good state", exc, aside, phase)
+            continue
+        _apply_state(ckpt, model, optimizer, state, lora, blob)
+        return step
+    return 0
 
 
 def train(
@@ -152,7 +226,9 @@ def train(
     `schedule` is the learning-rate shape after warmup: "cosine" or "constant".
     Under `accelerate launch` each process runs its share of every optimiser step's micro-batches
     (rank_micro_batches); logged values are means over the whole step, identical on every rank, and only rank 0
-    writes logs and checkpoints. `gradient_checkpointing` trades compute for activation memory; `mixed_precision`
+    writes logs and checkpoints. `gradient_checkpointing` (or cfg.gradient_checkpointing) trades compute for
+    activation memory; the loss forward runs under placement.autocast() (bf16 when model.dtype is auto on bf16
+    hardware, master weights and the backward's accumulation stay in their dtype); `mixed_precision`
     ("no", "bf16", "fp16"; None = accelerate's config / environment) is passed to the Accelerator; `save_to` writes
     the trained model as a save_pretrained folder gathered from any layout (needed under FSDP / ZeRO-3, where the
     caller's model object holds only this rank's shard).
@@ -180,13 +256,15 @@ def train(
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _schedule(s, total_steps, warmup, schedule))
-    start_step = 0
     last = work_dir / "last"
-    if last.exists():
-        start_step = _load_state(last, model, optimizer)
+    start_step = _resume(work_dir, model, optimizer, phase, accelerator.is_main_process)
+    if logger is not None and accelerator.is_main_process:
+        logger.drop_after(phase, start_step)  # the steps replayed from here on are logged again
+    if start_step:
         scheduler.last_epoch = start_step
         for group, base_lr in zip(optimizer.param_groups, scheduler.base_lrs, strict=True):
             group["lr"] = base_lr * _schedule(start_step, total_steps, warmup, schedule)
+    gradient_checkpointing = gradient_checkpointing or cfg.gradient_checkpointing
     if gradient_checkpointing:
         _set_checkpointing(model, True)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -202,7 +280,8 @@ def train(
         batch = collate_fn([samples[i] for i in plan[micro_index]], pad_id)
         batch = {k: v.to(accelerator.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         with accelerator.accumulate(model):
-            loss, stats = loss_fn(model, batch)
+            with placement.autocast():  # model.dtype auto on bf16 hardware: bf16 forward, fp32 master weights
+                loss, stats = loss_fn(model, batch)
             accelerator.backward(loss)
             grad_norm = 0.0
             if accelerator.sync_gradients and cfg.grad_clip > 0:
@@ -240,8 +319,10 @@ def train(
         _set_checkpointing(accelerator.unwrap_model(model), False)
     if save_to is not None:
         _save_final(accelerator, model, tokenizer, Path(save_to))
-    if accelerator.is_main_process and last.exists():
-        shutil.rmtree(last)
+    if accelerator.is_main_process:
+        for ckpt in (last, last.with_name("last.old")):
+            if ckpt.exists():
+                shutil.rmtree(ckpt)
     accelerator.wait_for_everyone()
     tail = history[-max(1, len(history) // 10) :] if history else []
     return {k: sum(r[k] for r in tail) / len(tail) for k in (tail[0] if tail else {})}

@@ -260,7 +260,9 @@ def test_config_defaults_and_flags() -> None:
     q = cfg.qevolve
     assert (q.rr, q.wiql, q.pr, q.pi) == (False, False, "q_minus_v", "awr")
     d = QEvolveConfig()
-    assert (d.eps_low, d.eps_high, d.tau, d.gamma, d.lam, d.polyak, d.kl_alpha) == (0.28, 0.2, 0.7, 0.99, 0.95, 0.005, 0.01)
+    # critic budget (issue 19): Polyak 0.05 over 500 steps; critic_epochs is a legacy override
+    assert (d.eps_low, d.eps_high, d.tau, d.gamma, d.lam, d.polyak, d.kl_alpha) == (0.28, 0.2, 0.7, 0.99, 0.95, 0.05, 0.01)
+    assert (d.critic_steps, d.critic_epochs) == (500, None)
     assert (d.n_iters, d.n_self_per_task, d.critic_hidden, d.collect_temperature) == (2, 33, 1024, 0.7)
 
 

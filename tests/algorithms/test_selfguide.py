@@ -294,10 +294,16 @@ def test_selfguide_recipe_one_update_end_to_end(tmp_path, capsys) -> None:  # no
     ckpt = str(tmp_path / "s/checkpoints/update-1")
     assert main(["eval", "--model", ckpt, "--guide", "--guide-history", "none", "--name", "ev", "--quiet",
                  "--output-dir", str(tmp_path), *sets]) == 0
-    guided = json.loads((tmp_path / "ev/state.json").read_text())["eval/update-1"]["test"]
+    def eval_result(folder: str) -> dict:
+        # eval keys carry a hash of what determines the result (checkpoint, env, split, n, guide settings)
+        state = json.loads((tmp_path / folder / "state.json").read_text())
+        (key,) = [k for k in state if k.startswith("eval/update-1-")]
+        return state[key]["test"]
+
+    guided = eval_result("ev")
     assert guided["n"] == 2 and guided["eval_guides_kept"] == 0 and "eval_verdict_good" in guided
     assert main(["eval", "--model", ckpt, "--name", "ev-plain", "--quiet", "--output-dir", str(tmp_path), *sets]) == 0
-    plain = json.loads((tmp_path / "ev-plain/state.json").read_text())["eval/update-1"]["test"]
+    plain = eval_result("ev-plain")
     assert "eval_guides_kept" not in plain
     capsys.readouterr()
     assert main(["eval", "--model", ckpt, "--guide-history", "all", "--name", "ev-bad", "--output-dir", str(tmp_path),

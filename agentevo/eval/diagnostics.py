@@ -1,0 +1,315 @@
+"""Premise diagnostics: does the assumption each method rests on hold in this run? (issue 19)
+
+Each method silently relies on something that can fail: Q-Evolve on a critic that has actually fitted, GRPO/DAPO
+on groups whose rewards differ, RSD on a teacher that does better with the privileged context, Self-Guide on guides
+that steer the action, ETO on DPO raising the chosen trajectories. Recipes log the raw numbers under the metrics
+phase `diag/<method>` (fixed names below; step = round / update / iteration, 0 = before training); the report
+turns each record into a table row: diagnostic, value, verdict (pass / warn / fail / n/a) and what to change.
+
+The pure functions here compute the numbers from plain arrays; the thresholds are ours [O], chosen so that the
+failures seen in the studies (17 critic steps at Polyak 0.005; V spread 0.03; base+ctx below base; guide/action
+agreement of 2/3) land on warn or fail.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from agentevo.eval.metrics import auc
+
+PASS, WARN, FAIL, NA = "pass", "warn", "fail", "n/a"
+PHASE_PREFIX = "diag/"
+
+
+@dataclass
+class Diagnostic:
+    """One report row: what was measured, its value, the verdict and what to change when it is not a pass."""
+
+    name: str
+    value: str
+    verdict: str
+    fix: str = ""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pure numbers
+
+
+def roc_auc(scores: Sequence[float], positive: Sequence[bool]) -> float | None:
+    """ROC AUC of scores for the positive class (ties 1/2); None without both classes."""
+    return auc(scores, positive)
+
+
+def explained_variance(pred: Sequence[float], target: Sequence[float]) -> float | None:
+    """1 − Var(target − pred) / Var(target) (population variances); None when target is constant or empty."""
+    if len(target) < 2:
+        return None
+    t = torch.tensor(list(target), dtype=torch.float64)
+    p = torch.tensor(list(pred), dtype=torch.float64)
+    var = float(t.var(unbiased=False))
+    if var <= 0:
+        return None
+    return 1.0 - float((t - p).var(unbiased=False)) / var
+
+
+def relative_drift(current: Sequence[Tensor], start: Sequence[Tensor]) -> float:
+    """||θ − θ_0|| / ||θ_0|| over a list of tensors (0 when θ_0 is all zeros)."""
+    num = sum(float((c.double() - s.double()).pow(2).sum()) for c, s in zip(current, start, strict=True))
+    den = sum(float(s.double().pow(2).sum()) for s in start)
+    return math.sqrt(num / den) if den > 0 else 0.0
+
+
+def init_share(polyak: float, steps: int) -> float:
+    """Weight the Polyak-averaged target heads still give their initialisation after `steps` updates: (1 − ρ)^n."""
+    return (1.0 - polyak) ** steps
+
+
+def returns_to_go(rewards: Sequence[float], gamma: float) -> list[float]:
+    """G_t = Σ_{t'≥t} γ^{t'−t} r_t' for every step of one trajectory."""
+    out, acc = [0.0] * len(rewards), 0.0
+    for t in range(len(rewards) - 1, -1, -1):
+        acc = rewards[t] + gamma * acc
+        out[t] = acc
+    return out
+
+
+def std(xs: Sequence[float]) -> float:
+    """Population standard deviation (0 for fewer than 2 values)."""
+    if len(xs) < 2:
+        return 0.0
+    return float(torch.tensor(list(xs), dtype=torch.float64).std(unbiased=False))
+
+
+def zero_variance_fraction(groups: Sequence[Sequence[float]]) -> float | None:
+    """Fraction of groups whose rewards are all equal (no GRPO signal); None without groups."""
+    if not groups:
+        return None
+    return sum(1 for g in groups if len(set(g)) <= 1) / len(groups)
+
+
+_NEXT_RE = re.compile(r"Next:[ \t]*(.*?)(?:[ \t]*Verdict:|\n|$)")
+
+
+def _norm_action(text: str) -> str:
+    return " ".join(text.strip().rstrip(".").lower().split())
+
+
+def guide_next_action(guide: str | None) -> str | None:
+    """The action a guide names after 'Next:' (normalised: lower case, single spaces, no final period)."""
+    if not guide:
+        return None
+    m = _NEXT_RE.search(guide)
+    if m is None or not m.group(1).strip():
+        return None
+    return _norm_action(m.group(1))
+
+
+def guide_agreement(guides: Sequence[str | None], actions: Sequence[str | None]) -> tuple[float | None, int]:
+    """(fraction of steps whose guide's 'Next: <action>' equals the action taken, steps with such a guide)."""
+    pairs = [(g, a) for g, a in zip((guide_next_action(x) for x in guides), actions, strict=True) if g is not None]
+    if not pairs:
+        return None, 0
+    return sum(a is not None and g == _norm_action(a) for g, a in pairs) / len(pairs), len(pairs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Verdicts
+
+
+def grade(value: float | None, good: float, ok: float, higher_is_better: bool = True) -> str:
+    """pass when value is at least `good` (at most, when lower is better), warn up to `ok`, else fail."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return NA
+    if not higher_is_better:
+        value, good, ok = -value, -good, -ok
+    return PASS if value >= good else WARN if value >= ok else FAIL
+
+
+def _fmt(x: Any) -> str:
+    if x is None:
+        return "n/a"
+    if isinstance(x, float):
+        return f"{x:.3g}" if abs(x) < 1e4 else f"{x:.3e}"
+    return str(x)
+
+
+def _row(name: str, value: Any, verdict: str, fix: str, shown: str | None = None) -> Diagnostic:
+    return Diagnostic(name, shown if shown is not None else _fmt(value), verdict, "" if verdict == PASS else fix)
+
+
+def critic_fit(v: dict[str, Any]) -> list[Diagnostic]:
+    """Q-Evolve: does the critic separate held-out successes, spread its values and follow its targets?"""
+    rows = []
+    budget = "raise qevolve.critic_steps (500 fits the synthetic check) and remove qevolve.critic_epochs"
+    few = "hold out more tasks (qevolve.critic_holdout) so both outcomes appear among them"
+    for key, name in (("auc_v1", "held-out AUC of V(s_1) for success"), ("auc_q", "held-out AUC of min Q(s_1,a_1)")):
+        if key in v:
+            verdict = grade(v[key], 0.7, 0.6)
+            rows.append(_row(name, v[key], verdict, few if verdict == NA else budget))
+    if "v_std" in v:
+        ratio = v["v_std"] / v["return_std"] if v.get("return_std") else None
+        rows.append(_row("V spread (std over states / std of returns-to-go)", ratio, grade(ratio, 0.3, 0.1),
+                         budget + "; a V this flat turns GAE into a normalised Monte-Carlo return",
+                         f"{_fmt(v['v_std'])} / {_fmt(v.get('return_std'))} = {_fmt(ratio)}"))
+    if "ev" in v:
+        rows.append(_row("explained variance of returns-to-go by V (held-out)", v["ev"], grade(v["ev"], 0.3, 0.05),
+                         budget))
+    if "target_drift" in v:
+        ratio = v["target_drift"] / v["online_drift"] if v.get("online_drift") else None
+        rows.append(_row("target-head drift from init (relative L2; online heads)", ratio, grade(ratio, 0.8, 0.5),
+                         "raise qevolve.polyak (0.05) or qevolve.critic_steps: the targets lag the online heads",
+                         f"{_fmt(v['target_drift'])} (online {_fmt(v.get('online_drift'))})"))
+    if "init_share" in v:
+        rows.append(_row("target heads' weight on their init (1-polyak)^steps", v["init_share"],
+                         grade(v["init_share"], 0.05, 0.5, higher_is_better=False),
+                         "raise qevolve.polyak or qevolve.critic_steps",
+                         f"{_fmt(v['init_share'])} after {_fmt(v.get('steps'))} steps"))
+    return rows
+
+
+def policy_update(v: dict[str, Any]) -> list[Diagnostic]:
+    """GRPO / DAPO (and Self-Guide's updates): reward variance within groups, KL to the reference, clipping."""
+    rows = []
+    if "zero_var_frac" in v:
+        rows.append(_row("zero-variance groups (all rewards equal)", v["zero_var_frac"],
+                         grade(v["zero_var_frac"], 0.5, 0.8, higher_is_better=False),
+                         "pick tasks of mid difficulty, raise grpo.group_size or grpo.temperature: "
+                         "these groups give no advantage (DAPO drops them)"))
+    if "kl" in v:
+        rows.append(_row("KL to the reference (k3, per token)", v["kl"], grade(v["kl"], 0.1, 0.5, False),
+                         "lower grpo.lr or raise grpo.beta_kl"))
+    for side in ("low", "high"):
+        key = f"clip_frac_{side}"
+        if key in v:
+            rows.append(_row(f"clip fraction ({side})", v[key], grade(v[key], 0.1, 0.3, False),
+                             "lower grpo.lr or grpo.ppo_epochs: the ratio leaves the trust region"))
+    return rows
+
+
+def rsd_premise(v: dict[str, Any]) -> list[Diagnostic]:
+    """RSD: is the teacher (with the privileged context) better than the student without it?"""
+    rows = []
+    stop = "the premise fails: check the context (rsd.ctx_*), use rsd.ctx_warm_start, or do not distil"
+    if "success_base_ctx" in v and "success_base" in v:
+        gap = v["success_base_ctx"] - v["success_base"]
+        rows.append(_row("success with context − without (base model)", gap, grade(gap, 0.0, -0.02), stop,
+                         f"{100 * v['success_base_ctx']:.1f}% − {100 * v['success_base']:.1f}% = {100 * gap:+.1f} pt"))
+    if "teacher_token_logp" in v and "student_token_logp" in v:
+        gap = v["teacher_token_logp"] - v["student_token_logp"]
+        rows.append(_row("teacher log-prob of the behaviour tokens, with − without context", gap,
+                         grade(gap, 0.0, -0.1), stop,
+                         f"{_fmt(v['teacher_token_logp'])} − {_fmt(v['student_token_logp'])} = {_fmt(gap)}"))
+    if "teacher_auc_flagged" in v:
+        rows.append(_row("teacher disfavours flagged steps (AUC)", v["teacher_auc_flagged"],
+                         grade(v["teacher_auc_flagged"], 0.6, 0.5),
+                         "the context does not tell the teacher which steps were mistakes: " + stop))
+    return rows
+
+
+def selfguide_premise(v: dict[str, Any]) -> list[Diagnostic]:
+    """Self-Guide: do guides help, and does the action follow the guide's 'Next:'?"""
+    rows = []
+    if "guided_success" in v:
+        base = v.get("unguided_success")
+        ratio = v["guided_success"] / base if base else None
+        shown = f"{100 * v['guided_success']:.1f}%" + (f" vs {100 * base:.1f}%" if base is not None else
+                                                        " (no unguided run to compare)")
+        verdict = grade(ratio, 1.0, 0.8) if base else NA
+        rows.append(_row("guided vs unguided success", ratio, verdict,
+                         "compare with the selfguide.guide=none run; guided BC that loses success should not be "
+                         "the RL start", shown))
+    if "guide_agreement" in v:
+        rows.append(_row("guide/action agreement ('Next: <action>' = action taken)", v["guide_agreement"],
+                         grade(v["guide_agreement"], 0.8, 0.5),
+                         "the guide does not steer the action: more guide-BC epochs or demos, or selfguide.guide=none",
+                         f"{_fmt(v['guide_agreement'])} of {_fmt(v.get('guide_steps'))} steps"))
+    return rows + policy_update(v)
+
+
+def eto_dpo(v: dict[str, Any]) -> list[Diagnostic]:
+    """ETO: does DPO separate the pairs, and does it keep the chosen trajectories likely?"""
+    rows = []
+    if "reward_margin" in v:
+        rows.append(_row("DPO reward margin β·(Δchosen − Δrejected), after training", v["reward_margin"],
+                         grade(v["reward_margin"], 1e-6, -1e-6), "the pairs are not learned: raise eto.lr or epochs"))
+    if "chosen_logp_drift" in v:
+        rows.append(_row("chosen log-prob drift log π − log π_ref (per trajectory)", v["chosen_logp_drift"],
+                         grade(v["chosen_logp_drift"], 0.0, -1.0),
+                         "DPO lowers the chosen trajectories too (likelihood displacement): lower eto.lr / "
+                         "eto.lr_later or fewer epochs"))
+    return rows
+
+
+EVALUATORS: dict[str, Callable[[dict[str, Any]], list[Diagnostic]]] = {
+    "qevolve": critic_fit, "grpo": policy_update, "rsd": rsd_premise, "selfguide": selfguide_premise,
+    "eto": eto_dpo,
+}
+STEP_WORDS = {"qevolve": "round", "grpo": "update", "selfguide": "update", "eto": "iteration", "rsd": "round"}
+
+
+def diagnose(method: str, values: dict[str, Any]) -> list[Diagnostic]:
+    """The diagnostics of one `diag/<method>` record (only those whose numbers it holds)."""
+    fn = EVALUATORS.get(method)
+    return fn(values) if fn is not None else []
+
+
+def worst(diags: Sequence[Diagnostic]) -> str:
+    """The worst verdict (fail > warn > n/a > pass)."""
+    order = {FAIL: 3, WARN: 2, NA: 1, PASS: 0}
+    return max((d.verdict for d in diags), key=lambda x: order[x], default=PASS)
+
+
+def _numeric(rec: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in rec.items() if k not in ("time", "phase", "step")}
+
+
+def _mean_record(records: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = {k for r in records for k, v in _numeric(r).items() if isinstance(v, (int, float)) and v is not None}
+    out = {}
+    for k in keys:
+        xs = [r[k] for r in records if isinstance(r.get(k), (int, float))]
+        out[k] = sum(xs) / len(xs)
+    return out
+
+
+def render_section(records: list[dict[str, Any]], max_rows: int = 4) -> list[str]:
+    """The report's 'Diagnostics' section from metrics records (phase diag/<method>); [] when there are none.
+
+    Records at step 0 (before training) are shown as they are; with more than max_rows training records (one per
+    GRPO update, say) they are averaged into one table, else one table each.
+    """
+    by_method: dict[str, list[dict[str, Any]]] = {}
+    for rec in records:
+        if str(rec.get("phase", "")).startswith(PHASE_PREFIX):
+            by_method.setdefault(rec["phase"][len(PHASE_PREFIX):], []).append(rec)
+    tables: list[tuple[str, list[Diagnostic]]] = []
+    for method, recs in by_method.items():
+        latest: dict[int, dict[str, Any]] = {}
+        for rec in recs:  # a resumed run may log a step twice: the last record wins
+            latest[int(rec.get("step", 0))] = {**latest.get(int(rec.get("step", 0)), {}), **_numeric(rec)}
+        word = STEP_WORDS.get(method, "step")
+        if 0 in latest:
+            tables.append((f"{method}, before training", diagnose(method, latest.pop(0))))
+        steps = sorted(latest)
+        if len(steps) > max_rows:
+            tables.append((f"{method}, mean over {word}s {steps[0]}-{steps[-1]}",
+                           diagnose(method, _mean_record([latest[s] for s in steps]))))
+        else:
+            tables += [(f"{method}, {word} {s}", diagnose(method, latest[s])) for s in steps]
+    tables = [(title, diags) for title, diags in tables if diags]
+    if not tables:
+        return []
+    lines = ["", "## Diagnostics", "",
+             "Does each method's premise hold in this run? (thresholds [O]; agentevo/eval/diagnostics.py)"]
+    for title, diags in tables:
+        lines += ["", f"### {title}: {worst(diags)}", "", "| diagnostic | value | verdict | what to change |",
+                  "|---|---|---|---|"]
+        lines += [f"| {d.name} | {d.value} | {d.verdict} | {d.fix or '-'} |" for d in diags]
+    return lines

@@ -1,0 +1,89 @@
+"""Paired comparison statistics: bootstrap over tasks with seed pairs kept, and the exact sign (McNemar) test.
+
+Outcomes come as a matrix `diffs[pair][task]`: one row per seed pair (arm seed s vs baseline seed s), one column per
+task of the shared task list, each cell arm outcome minus baseline outcome (in points: success x 100, or final
+reward x 100). Pure functions, no I/O, so the numbers can be checked by hand.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class PairedResult:
+    """Arm minus baseline over paired seeds and tasks."""
+
+    mean: float  # mean difference, points
+    lo: float  # 95% bootstrap interval over tasks
+    hi: float
+    n_pairs: int  # seed pairs
+    n_tasks: int
+    wins: int  # (pair, task) cells where the arm did better
+    losses: int  # ... and where it did worse
+    p: float  # two-sided exact sign test on wins vs losses (McNemar exact for success)
+
+    @property
+    def excludes_zero(self) -> bool:
+        """Whether the interval lies entirely on one side of zero."""
+        return self.lo > 0 or self.hi < 0
+
+
+def sign_test_p(wins: int, losses: int) -> float:
+    """Two-sided exact binomial p of `wins` vs `losses` discordant outcomes under p = 1/2 (ties dropped).
+
+    McNemar's exact test is this test on the discordant pairs; 1.0 when there are none.
+    """
+    if wins < 0 or losses < 0:
+        raise ValueError("discordant counts must be non-negative")
+    n = wins + losses
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, k) for k in range(min(wins, losses) + 1))
+    # exact integer arithmetic: 2 * tail / 2^n, capped at 1 (the two tails overlap when wins == losses)
+    return min(1.0, 2 * tail / 2**n)
+
+
+def bootstrap_mean_ci(diffs: Sequence[Sequence[float]], n_boot: int = 10_000, seed: int = 0,
+                      level: float = 0.95) -> tuple[float, float, float]:
+    """Mean of a pairs x tasks difference matrix and its percentile bootstrap interval, resampling tasks.
+
+    The same resampled tasks are used for every seed pair, so a task's pairing across seeds is kept; the fixed RNG
+    seed makes the interval reproducible.
+    """
+    d = np.asarray(diffs, dtype=np.float64)
+    if d.ndim != 2 or d.shape[0] == 0 or d.shape[1] == 0:
+        raise ValueError("diffs must be a non-empty pairs x tasks matrix")
+    per_task = d.mean(axis=0)  # every pair covers every task, so the mean over tasks of these is the grand mean
+    mean = float(per_task.mean())
+    if np.all(per_task == per_task[0]):
+        return mean, mean, mean  # every resample gives the same mean; skip float noise from summing
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, per_task.size, size=(n_boot, per_task.size))
+    boot = per_task[idx].mean(axis=1)
+    alpha = (1 - level) / 2
+    lo, hi = np.quantile(boot, [alpha, 1 - alpha])
+    return mean, float(lo), float(hi)
+
+
+def paired_difference(arm: Sequence[Sequence[float]], base: Sequence[Sequence[float]], n_boot: int = 10_000,
+                      seed: int = 0) -> PairedResult:
+    """Compare pairs x tasks outcome matrices (same shape, rows = seed pairs, columns = the same tasks)."""
+    a, b = np.asarray(arm, dtype=np.float64), np.asarray(base, dtype=np.float64)
+    if a.shape != b.shape:
+        raise ValueError(f"arm and baseline outcomes differ in shape: {a.shape} vs {b.shape}")
+    d = a - b
+    mean, lo, hi = bootstrap_mean_ci(d, n_boot, seed)
+    wins, losses = int((d > 0).sum()), int((d < 0).sum())
+    return PairedResult(mean, lo, hi, d.shape[0], d.shape[1], wins, losses, sign_test_p(wins, losses))
+
+
+def format_p(p: float) -> str:
+    """A p-value for prose: two significant digits, 'p < 0.001' below that."""
+    if p < 0.001:
+        return "p < 0.001"
+    return f"p = {float(f'{p:.2g}'):g}"

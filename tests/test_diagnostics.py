@@ -1,0 +1,218 @@
+"""Premise diagnostics (issue 19): the numbers against hand-computed values, the verdicts, the report section, the
+critic budget that actually fits, and a recipe run whose report carries the Diagnostics section."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+
+import pytest
+import torch
+
+from agentevo.agent.prompt import expert_reply, parse_action
+from agentevo.algorithms import advantages as adv_math
+from agentevo.algorithms.qevolve import critic_diagnostics
+from agentevo.algorithms.qevolve_config import QEvolveConfig
+from agentevo.data.types import Step, Trajectory
+from agentevo.envs.base import Task
+from agentevo.errors import AgentevoError
+from agentevo.eval import diagnostics as dg
+from agentevo.models.critic import Critic, CriticFit, CriticItem, critic_rows, critic_values, fit_critic
+
+# -- the numbers -----------------------------------------------------------------------------------------------------
+
+
+def test_auc_with_a_tie() -> None:
+    # positives {0.8, 0.5}, negatives {0.5, 0.2}: 1 + 1 + 1/2 (tie) + 1 of 4 pairs
+    assert dg.roc_auc([0.8, 0.5, 0.5, 0.2], [True, True, False, False]) == pytest.approx(0.875)
+    assert dg.roc_auc([0.1, 0.2], [True, True]) is None
+
+
+def test_explained_variance() -> None:
+    # residual [0, 0, 0, 1]: var 0.1875; var(target) 1.25 -> 1 - 0.15
+    assert dg.explained_variance([1, 2, 3, 3], [1, 2, 3, 4]) == pytest.approx(0.85)
+    assert dg.explained_variance([2.5] * 4, [1, 2, 3, 4]) == pytest.approx(0.0)  # a constant V explains nothing
+    assert dg.explained_variance([0, 1], [1, 1]) is None
+
+
+def test_drift_init_share_and_returns_to_go() -> None:
+    start = [torch.tensor([3.0]), torch.tensor([4.0])]  # norm 5
+    assert dg.relative_drift([torch.tensor([3.0]), torch.tensor([5.0])], start) == pytest.approx(0.2)
+    assert dg.relative_drift(start, start) == 0.0
+    assert dg.init_share(0.005, 17) == pytest.approx(0.9183, abs=1e-4)  # the studies' critic: 92% at init
+    assert dg.init_share(0.05, 500) < 1e-10
+    assert dg.returns_to_go([0.0, 0.0, 1.0], 0.5) == [0.25, 0.5, 1.0]
+    assert dg.std([1.0, 3.0]) == pytest.approx(1.0)
+
+
+def test_zero_variance_fraction() -> None:
+    assert dg.zero_variance_fraction([[1, 1, 1], [0, 1, 0], [0, 0], [0.5]]) == pytest.approx(0.75)
+    assert dg.zero_variance_fraction([]) is None
+
+
+def test_guide_agreement() -> None:
+    guides = ["ok Next: take knife. Verdict: good", "Next: open fridge.", None, "no next here", "Next: Take  Knife"]
+    actions = ["take knife", "close fridge", "take knife", "look", "take knife"]
+    assert dg.guide_agreement(guides, actions) == (pytest.approx(2 / 3), 3)
+    assert dg.guide_agreement([None, "x"], ["a", "b"]) == (None, 0)
+    assert dg.guide_next_action("Next: go north.\nThought: ...") == "go north"
+
+
+# -- verdicts and the report section ---------------------------------------------------------------------------------
+
+
+def test_critic_verdicts_for_the_studies_critic_and_a_fitted_one() -> None:
+    old = {"auc_v1": 0.55, "auc_q": 0.62, "v_std": 0.03, "return_std": 0.4, "ev": 0.01, "target_drift": 0.001,
+           "online_drift": 0.01, "init_share": dg.init_share(0.005, 17), "steps": 17}
+    rows = dg.critic_fit(old)
+    assert [(d.name, d.verdict) for d in rows] == [
+        ("held-out AUC of V(s_1) for success", "fail"), ("held-out AUC of min Q(s_1,a_1)", "warn"),
+        ("V spread (std over states / std of returns-to-go)", "fail"),
+        ("explained variance of returns-to-go by V (held-out)", "fail"),
+        ("target-head drift from init (relative L2; online heads)", "fail"),
+        ("target heads' weight on their init (1-polyak)^steps", "fail")]
+    assert rows[2].value == "0.03 / 0.4 = 0.075"
+    assert rows[5].value == "0.918 after 17 steps" and "qevolve.polyak" in rows[5].fix
+    assert rows[0].fix.startswith("raise qevolve.critic_steps")
+    good = dict(old, auc_v1=0.9, auc_q=0.9, v_std=0.3, ev=0.6, target_drift=0.01, init_share=1e-11, steps=500)
+    assert {d.verdict for d in dg.critic_fit(good)} == {"pass"} and all(d.fix == "" for d in dg.critic_fit(good))
+    assert dg.critic_fit({"auc_v1": None})[0].verdict == "n/a"
+
+
+def test_other_methods_verdicts() -> None:
+    rows = dg.policy_update({"zero_var_frac": 0.9, "kl": 0.05, "clip_frac_low": 0.2, "clip_frac_high": 0.0})
+    assert [d.verdict for d in rows] == ["fail", "pass", "warn", "pass"]
+    rsd = dg.rsd_premise({"success_base": 0.12, "success_base_ctx": 0.02, "teacher_token_logp": -1.2,
+                          "student_token_logp": -1.0, "teacher_auc_flagged": 0.7})
+    assert [(d.value, d.verdict) for d in rsd] == [("2.0% − 12.0% = -10.0 pt", "fail"), ("-1.2 − -1 = -0.2", "fail"),
+                                                   ("0.7", "pass")]
+    sg = dg.selfguide_premise({"guided_success": 0.2, "unguided_success": 0.4, "guide_agreement": 2 / 3,
+                               "guide_steps": 30})
+    assert [(d.verdict, d.value) for d in sg] == [("fail", "20.0% vs 40.0%"), ("warn", "0.667 of 30 steps")]
+    assert dg.selfguide_premise({"guided_success": 0.2})[0].verdict == "n/a"
+    eto = dg.eto_dpo({"reward_margin": 0.4, "chosen_logp_drift": -3.0})
+    assert [d.verdict for d in eto] == ["pass", "fail"] and "likelihood displacement" in eto[1].fix
+
+
+def test_render_section_tables_means_and_merging() -> None:
+    recs = [{"phase": "diag/qevolve", "step": 1, "time": 0, "auc_v1": 0.9},
+            {"phase": "diag/rsd", "step": 0, "teacher_token_logp": -1.0, "student_token_logp": -1.5},
+            {"phase": "diag/rsd", "step": 0, "success_base": 0.1, "success_base_ctx": 0.2},  # merged with the above
+            {"phase": "train/loss", "step": 1, "loss": 1.0}]
+    recs += [{"phase": "diag/grpo", "step": k, "zero_var_frac": z} for k, z in enumerate([0.2, 0.4, 0.6, 0.8, 1.0], 1)]
+    lines = dg.render_section(recs)
+    text = "\n".join(lines)
+    assert lines[1] == "## Diagnostics"
+    assert "### qevolve, round 1: pass" in text
+    assert "| held-out AUC of V(s_1) for success | 0.9 | pass | - |" in text
+    assert "### rsd, before training: pass" in text and "10.0% = +10.0 pt" in text
+    # five updates are averaged (0.6: warn)
+    assert "### grpo, mean over updates 1-5: warn" in text
+    assert "| zero-variance groups (all rewards equal) | 0.6 | warn |" in text
+    assert dg.render_section([{"phase": "bc/train", "step": 1, "loss": 1.0}]) == []
+
+
+# -- the critic budget -----------------------------------------------------------------------------------------------
+
+_WORDS = "knife fridge kitchen room part cookbook recipe meal table counter".split()
+
+
+def _two_step(policy, i: int, rng: random.Random) -> Trajectory:  # noqa: ANN001
+    """Two identical actions; the first observation says whether the fridge is open, which alone decides success."""
+    ok = rng.random() < 0.5
+    first = (f"You are in the kitchen. You see {' '.join(rng.choice(_WORDS) for _ in range(4))}. "
+             f"The fridge is {'open' if ok else 'closed'}.")
+    task = Task("twx-cookingworld", f"t{i}", "train", "cookingworld", {}, 20)
+    steps = []
+    for t, action in enumerate(["take knife", "open fridge"], start=1):
+        text = expert_reply(action)
+        steps.append(Step(t, first if t == 1 else f"obs {t}", text, policy.renderer.encode_reply(text), None,
+                          parse_action(text), f"obs {t + 1}", 0.0, t == 2))
+    return Trajectory(task, "self", "self", "Cook a meal.", steps, float(ok), ok, goal="cook", meta={"store_id": i})
+
+
+def _fit(policy, trajs, steps: int, polyak: float):  # noqa: ANN001, ANN202
+    items = [CriticItem(critic_rows(policy.renderer, t, 4096, 50), [0.0, t.final_reward], [False, True],
+                        adv_math.step_weights(2, t.success).tolist(), i) for i, t in enumerate(trajs)]
+    held = [i >= 32 for i in range(len(items))]  # the last 16 are never fitted on
+    critic = Critic(copy.deepcopy(policy.model), 32, seed=1)
+    fit = CriticFit(polyak=polyak, lr=QEvolveConfig().critic_lr, batch_size=4, micro_batch_size=4, steps=steps)
+    epochs = fit_critic(critic, [it for it, h in zip(items, held, strict=True) if not h], fit, policy.pad_id, 0)
+    assert epochs[-1]["steps"] == steps
+    values = critic_values(critic, items, policy.pad_id)
+    return critic_diagnostics(items, values, held, [t.success for t in trajs], 0.99, polyak, epochs[-1])
+
+
+def test_the_default_critic_budget_fits_and_the_old_one_does_not(tiny_policy) -> None:  # noqa: ANN001
+    rng = random.Random(0)
+    trajs = [_two_step(tiny_policy, i, rng) for i in range(48)]
+    assert 4 <= sum(t.success for t in trajs[32:]) <= 12  # both outcomes among the held-out trajectories
+    q = QEvolveConfig()
+    new = _fit(tiny_policy, trajs, q.critic_steps, q.polyak)
+    old = _fit(tiny_policy, trajs, 17, 0.005)
+    assert new["auc_v1"] > 0.8 and new["auc_q"] > 0.8 and new["ev"] > 0.3
+    # 17 steps: V is flat and explains nothing (its AUC rests on a random head's projection, so EV decides too)
+    assert old["auc_v1"] < 0.8 and old["ev"] < 0.05
+    assert new["v_std"] > 0.3 * new["return_std"] > old["v_std"]
+    assert old["init_share"] == pytest.approx(0.995**17) and new["init_share"] < 1e-10
+    assert new["target_drift"] > 0.8 * new["online_drift"] and old["target_drift"] < 0.5 * old["online_drift"]
+    assert dg.worst(dg.critic_fit(new)) == "pass" and dg.worst(dg.critic_fit(old)) == "fail"
+
+
+def test_fit_budget_counts_optimiser_steps_or_legacy_epochs() -> None:
+    assert CriticFit(batch_size=4, steps=30).total_steps(10) == 30
+    assert CriticFit(batch_size=4, epochs=2).total_steps(10) == 6  # ceil(10/4) per pass
+    assert CriticFit(batch_size=4, steps=30).total_steps(0) == 0
+
+
+# -- wiring ----------------------------------------------------------------------------------------------------------
+
+
+def test_rsd_premise_stop_and_eto_dpo_numbers() -> None:
+    from agentevo.algorithms.eto import PreferencePair, dpo_diagnostics
+    from agentevo.algorithms.rsd import check_premise
+
+    check_premise({"teacher_token_logp": -2.0, "student_token_logp": -1.0}, stop=False)  # warn only
+    check_premise({"teacher_token_logp": -0.5, "student_token_logp": -1.0}, stop=True)  # premise holds
+    with pytest.raises(AgentevoError, match=r"rsd premise fails: the teacher with context gives the round-1 replies "
+                                            r"a lower mean token log-prob \(-2.000\) than the student without it"):
+        check_premise({"teacher_token_logp": -2.0, "student_token_logp": -1.0}, stop=True)
+    pairs = [PreferencePair("a", [], [], ref_chosen=-10.0, ref_rejected=-12.0),
+             PreferencePair("b", [], [], ref_chosen=-5.0, ref_rejected=-5.0)]
+    # Δchosen = [-1, +1], Δrejected = [-4, +2]: margins 3 and -1
+    d = dpo_diagnostics(pairs, [[-11.0, -16.0], [-4.0, -3.0]], beta=0.1)
+    assert d == pytest.approx({"reward_margin": 0.1, "reward_accuracy": 0.5, "chosen_logp_drift": 0.0,
+                               "rejected_logp_drift": -1.0})
+
+
+def test_grpo_run_report_has_the_diagnostics_section(tmp_path) -> None:  # noqa: ANN001
+    from agentevo.algorithms.grpo import run as grpo_run
+    from agentevo.config import load_config
+    from agentevo.eval.report import write_report
+    from agentevo.run import Run
+
+    smoke = [
+        "env.n_train=3", "env.n_test=2", "env.params={max_steps: 3}", "model.tiny.hidden_size=32",
+        "model.tiny.num_layers=1", "model.tiny.num_heads=2", "model.tiny.intermediate_size=64",
+        "agent.max_new_tokens=12", "agent.history_window=4", "optim.epochs=1", "optim.batch_size=4",
+        "optim.micro_batch_size=4", "rollout.n_parallel=2", "rollout.batch_size=4", "grpo.n_updates=1",
+        "grpo.tasks_per_update=2", "grpo.group_size=2", "grpo.lr=1.0e-4", "grpo.batch_size=2",
+        "grpo.micro_batch_size=2", "model.torch_threads=1",
+    ]
+    run = Run.create(load_config(None, smoke, method="grpo", name="g", output_dir=str(tmp_path)), quiet=True)
+    try:
+        grpo_run(run)
+        report = write_report(run).read_text()
+    finally:
+        run.close()
+    diag = [json.loads(x) for x in (tmp_path / "g/metrics.jsonl").read_text().splitlines()]
+    diag = [r for r in diag if r["phase"] == "diag/grpo"]
+    assert [r["step"] for r in diag] == [1]
+    assert 0.0 <= diag[0]["zero_var_frac"] <= 1.0 and diag[0]["zero_var_frac"] in (0.0, 0.5, 1.0)  # 2 groups
+    assert {"kl", "clip_frac_low", "clip_frac_high"} <= set(diag[0])
+    assert "## Diagnostics" in report and "### grpo, update 1: " in report
+    assert "| diagnostic | value | verdict | what to change |" in report
+    row = next(line for line in report.splitlines() if line.startswith("| zero-variance groups"))
+    verdict = dg.grade(diag[0]["zero_var_frac"], 0.5, 0.8, higher_is_better=False)
+    assert row.split(" | ")[2] == verdict

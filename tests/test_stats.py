@@ -1,0 +1,67 @@
+"""Paired comparison statistics against hand-computed values."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentevo.eval.stats import bootstrap_mean_ci, format_p, paired_difference, sign_test_p
+
+
+def test_sign_test_p_matches_the_exact_binomial_by_hand() -> None:
+    # 5 vs 0 discordant: 2 * (1/2)^5 = 0.0625
+    assert sign_test_p(5, 0) == 0.0625
+    assert sign_test_p(0, 5) == 0.0625
+    # 6 vs 1: 2 * (C(7,0) + C(7,1)) / 2^7 = 2 * 8 / 128 = 0.125
+    assert sign_test_p(6, 1) == 0.125
+    # 10 vs 2: 2 * (1 + 12 + 66) / 4096 = 158 / 4096
+    assert sign_test_p(10, 2) == pytest.approx(158 / 4096, rel=1e-12)
+    # balanced: the two tails overlap, p is capped at 1; no discordant outcomes at all: 1
+    assert sign_test_p(3, 3) == 1.0
+    assert sign_test_p(0, 0) == 1.0
+    with pytest.raises(ValueError, match="non-negative"):
+        sign_test_p(-1, 2)
+
+
+def test_bootstrap_of_equal_differences_is_a_zero_width_interval() -> None:
+    assert bootstrap_mean_ci([[2.0] * 50, [2.0] * 50]) == (2.0, 2.0, 2.0)
+    assert bootstrap_mean_ci([[0.0, 0.0, 0.0]]) == (0.0, 0.0, 0.0)
+
+
+def test_bootstrap_interval_of_two_tasks_is_their_range() -> None:
+    # per-task means 0 and 100: a resample's mean is 0 (p 1/4), 50 (1/2) or 100 (1/4), so the 2.5% and 97.5%
+    # quantiles are 0 and 100
+    assert bootstrap_mean_ci([[0.0, 100.0]]) == (50.0, 0.0, 100.0)
+
+
+def test_bootstrap_is_reproducible_and_keeps_the_seed_pairing() -> None:
+    diffs = [[0.0, 100.0, 100.0, 0.0], [0.0, 0.0, 0.0, 100.0]]
+    first = bootstrap_mean_ci(diffs)
+    assert first == bootstrap_mean_ci(diffs)  # fixed RNG seed
+    # tasks are resampled as whole columns: per-task means 0, 50, 50, 50 -> a resample's mean is 0 with p 1/256
+    # (< 2.5%) and <= 12.5 with p ~5.1% (> 2.5%), so the lower bound is 12.5; all-50 has p ~32%, the upper is 50
+    assert first == (37.5, 12.5, 50.0)
+    with pytest.raises(ValueError, match="pairs x tasks"):
+        bootstrap_mean_ci([])
+
+
+def test_paired_difference_counts_discordant_cells_over_seed_pairs() -> None:
+    arm = [[100, 100, 100, 0], [100, 100, 0, 100]]
+    base = [[100, 0, 0, 0], [100, 100, 0, 0]]
+    r = paired_difference(arm, base)
+    assert (r.mean, r.lo, r.hi) == (37.5, 12.5, 50.0)
+    assert (r.n_pairs, r.n_tasks, r.wins, r.losses) == (2, 4, 3, 0)
+    assert r.p == 0.25  # 2 * (1/2)^3
+    assert r.excludes_zero
+    # arms whose per-seed values are a permutation of each other are not "identical" task by task
+    r = paired_difference([[100, 0, 0], [0, 100, 0]], [[0, 100, 0], [100, 0, 0]])
+    assert (r.mean, r.wins, r.losses, r.p) == (0.0, 2, 2, 1.0)
+    assert not r.excludes_zero
+    with pytest.raises(ValueError, match="differ in shape"):
+        paired_difference([[1, 0]], [[1, 0, 1]])
+
+
+def test_format_p() -> None:
+    assert format_p(0.0625) == "p = 0.062"
+    assert format_p(1.0) == "p = 1"
+    assert format_p(0.25) == "p = 0.25"
+    assert format_p(0.0004) == "p < 0.001"
