@@ -31,7 +31,14 @@ def _summary_table(run: Any, results: dict[str, Any]) -> None:
                 f"{m['avg_reward']:.3f}", f"{m['mean_steps']:.1f}", f"{100 * m['format_error_rate']:.1f}%",
                 f"{100 * m['invalid_rate']:.1f}%", m.get("task_hash", ""),
             )
-    Console(width=None if sys.stdout.isatty() else 160).print(table)
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    console.print(table)
+    errored = [(key[len("eval/"):], split, m["errored_episodes"]) for key, per_split in results.items()
+               if key.startswith("eval/") and isinstance(per_split, dict)
+               for split, m in per_split.items() if isinstance(m, dict) and m.get("errored_episodes")]
+    for label, split, n in errored:
+        console.print(f"warning: {label} on {split}: {n} episode(s) errored (environment crashed or hung past "
+                      "rollout.max_retries) and count as failures above")
 
 
 def _run_recipe(run: Any) -> int:
@@ -165,9 +172,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from agentevo.eval.report import write_report
-    from agentevo.run import Run
+    from agentevo.run import RunView
 
-    run = Run.open(args.run_dir, quiet=True)
+    run = RunView(args.run_dir)  # read-only: works while the run goes on
     try:
         path = write_report(run)
     finally:

@@ -424,6 +424,19 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def read_yaml_mapping(p: Path) -> dict[str, Any]:
+    """A YAML file holding a mapping, or a one-line ConfigError naming the file (and the line and column)."""
+    try:
+        loaded = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {_yaml_problem(exc)}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {str(p)!r} cannot be read as text: {exc}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
+    return loaded
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None, **top: Any) -> RunConfig:
     """Build and validate a RunConfig from an optional YAML file, top-level keys and dotted overrides."""
     data: dict[str, Any] = {}
@@ -431,15 +444,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         p = Path(path)
         if not p.exists():
             raise ConfigError(f"config file {str(p)!r} does not exist; see configs/ for examples")
-        try:
-            loaded = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {_yaml_problem(exc)}") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"config file {str(p)!r} cannot be read as text: {exc}") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
-        data = loaded
+        data = read_yaml_mapping(p)
     data = _merge(data, {k: v for k, v in top.items() if v is not None})
     data = _merge(data, parse_overrides(overrides or []))
     cfg = _build(RunConfig, data)

@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from agentevo import dist
-from agentevo.config import RunConfig, _build, config_to_dict, dump_config
+from agentevo.config import RunConfig, _build, config_to_dict, dump_config, read_yaml_mapping
 from agentevo.data.store import ExperienceStore
 from agentevo.data.types import Trajectory
 from agentevo.envs import TaskList, make_env
@@ -203,6 +203,26 @@ class ProgressBar:
         return lambda step, total, record: self.update(step, total)
 
 
+class RunView:
+    """A run folder opened to be read (`agentevo report`): no lock, no tracker, nothing written but the report, so it
+    works while the run goes on and on a machine without the run's tracker packages."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.dir = Path(run_dir)
+        path = self.dir / "config.yaml"
+        if not path.exists():
+            raise ConfigError(f"{str(self.dir)!r} is not a run folder (no config.yaml); give runs/NAME")
+        self.cfg: RunConfig = _build(RunConfig, read_yaml_mapping(path))
+        self.state: dict[str, Any] = _read_state(self.dir / "state.json")
+        self.store = ExperienceStore(self.dir / "experience.db")
+        self.logger = MetricsLogger(self.dir, enabled=False)  # reads metrics.jsonl, writes nothing
+        self.threads = self.cfg.model.torch_threads or "idle cores at start"
+
+    def close(self) -> None:
+        """Close the store."""
+        self.store.close()
+
+
 class Run:
     """Everything one experiment writes lives under runs/NAME/ (see DESIGN.md, 'The run directory')."""
 
@@ -265,7 +285,7 @@ class Run:
         path = run_dir / "config.yaml"
         if not path.exists():
             raise ConfigError(f"{str(run_dir)!r} is not a run folder (no config.yaml); give runs/NAME")
-        cfg = _build(RunConfig, yaml.safe_load(path.read_text()))
+        cfg = _build(RunConfig, read_yaml_mapping(path))
         cfg.validate()
         return cls(cfg, run_dir, quiet=quiet, existing="resume")
 
@@ -446,6 +466,7 @@ class Run:
             requests = [EpisodeRequest(t, k, prefix=prefix_fn(t) if prefix_fn else "") for k, t in enumerate(tasks)]
             trajs = self.collect(actor, requests, eval_collection(label, split), f"eval {label} on {split}", pool=pool)
             metrics = {**summarize(trajs), "task_hash": tasks.hash, "split": split, **(extra or {})}
+            self.logger.drop_after(eval_collection(label, split), -1)  # logged before a kill, not yet in state.json
             self.logger.log(eval_collection(label, split), 0, {k: v for k, v in metrics.items() if k != "split"})
             self.logger.log_samples(eval_collection(label, split), 0, trajs)  # the first tracking.samples episodes
             out[split] = metrics

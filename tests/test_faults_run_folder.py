@@ -308,3 +308,21 @@ def test_eval_never_touches_another_run_and_caches_only_its_own_key(capsys, tiny
     assert warnings == [f"warning: {ckpt} was trained (in {tmp_path / 'train'}) with other twx-cookingworld settings: "
                         f"env.params game_params differ(s), so these are not its games; evaluate with its settings, "
                         f"e.g. -c {tmp_path / 'train' / 'config.yaml'}"]
+
+
+def test_report_reads_a_run_that_is_going_on_without_its_trackers(tmp_path: Path) -> None:
+    """`agentevo report` takes no lock and starts no tracker: it works beside the running owner, and on a machine
+    without the run's tracker packages."""
+    from agentevo.run import RunLock
+
+    cfg = load_config(None, [f"output_dir={tmp_path}", "name=live"])
+    Run.create(cfg, quiet=True).close()
+    config = tmp_path / "live" / "config.yaml"
+    config.write_text(config.read_text().replace("report_to: []", "report_to:\n  - a-tracker-not-installed-here"))
+    owner = RunLock(tmp_path / "live")  # the training process still holds its folder
+    try:
+        assert main(["report", str(tmp_path / "live")]) == 0
+    finally:
+        owner.release()
+    assert (tmp_path / "live" / "report.md").exists()
+    assert "a-tracker-not-installed-here" in config.read_text()  # the run's config is not rewritten

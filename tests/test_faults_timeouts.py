@@ -168,6 +168,10 @@ def test_thread_worker_hung_past_max_retries_is_an_errored_episode_and_the_run_g
     assert errored.steps == [] and errored.final_reward == 0.0 and errored.success is False
     assert "error" not in ok.meta and ok.length == 3 and ok.meta["retries"] == 0
     assert sorted(t.task.task_id for t in done) == ["hang-test/train/0", "hang-test/train/1"]  # both stored
+    from agentevo.eval.metrics import summarize
+
+    metrics = summarize([errored, ok])  # the errored episode is a failure, and counted as errored
+    assert metrics["errored_episodes"] == 1 and metrics["n"] == 2 and metrics["success_rate"] == ok.success / 2
 
 
 def test_thread_deadline_is_per_call_not_per_batch(hang_env, tmp_path) -> None:  # noqa: ANN001

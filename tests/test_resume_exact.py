@@ -138,6 +138,27 @@ def test_kill_during_evaluation(straight: Path, tmp_path: Path, monkeypatch: pyt
     _assert_same(run_dir, straight)
 
 
+def test_kill_after_an_evaluation_is_logged_but_not_recorded(straight: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The eval record reached metrics.jsonl, state.json never heard of it: resume logs it once, not twice."""
+    from agentevo.train.tracking import MetricsLogger
+
+    run_dir = tmp_path / "r"
+    original_log = MetricsLogger.log
+
+    def log(self: MetricsLogger, phase: str, step: int, metrics: dict[str, Any]) -> None:
+        original_log(self, phase, step, metrics)
+        if phase.startswith("eval/bc/"):
+            raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(MetricsLogger, "log", log)
+        with pytest.raises(KeyboardInterrupt):
+            _bc_run(run_dir)
+    _bc_run(run_dir, resume=True)
+    _assert_same(run_dir, straight)
+
+
 class _Evil:
     """Unpickling this creates the marker file (what a crafted checkpoint would do with a shell command)."""
 

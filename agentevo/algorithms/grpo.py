@@ -511,9 +511,12 @@ def run_updates(
                         "time_update_s": t3 - t2,
                     }
                     record = dist.broadcast(record)  # rank 0's timings on every rank
+                    diag_name = f"diag/{loop.log_name.split('/')[0]}"
+                    for name in (loop.log_name, diag_name):  # a kill after logging but before the save: once only
+                        run.logger.drop_after(name, k - 1)
                     run.logger.log(loop.log_name, k, record)
                     # Premise diagnostics of the update under fixed names (diag/grpo, diag/selfguide).
-                    run.logger.log(f"diag/{loop.log_name.split('/')[0]}", k, update_diagnostics(record))
+                    run.logger.log(diag_name, k, update_diagnostics(record))
                     if run.main:
                         loop.trainer.save(loop.latest, {"update": k, "record": record})
                     dist.barrier()

@@ -50,6 +50,8 @@ def summarize(trajs: list[Trajectory]) -> dict[str, Any]:
         "invalid_rate": sum(s.signal == "invalid" for s in steps) / n_steps,
         "repeat_rate": sum(s.signal == "repeat" for s in steps) / n_steps,
         "env_steps": sum(1 for s in steps if s.parsed_action is not None),
+        # episodes whose environment crashed or hung past rollout.max_retries: counted as failures above
+        "errored_episodes": sum(1 for t in trajs if t.meta.get("error")),
     }
 
 
