@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from agentevo.errors import ConfigError
-from agentevo.options import option
+from agentevo.options import check_fields, option
 
 
 @dataclass
@@ -110,24 +110,9 @@ class QLASSConfig:
         "[P:QLASS q_guided_inference.py]", True)
 
     def validate(self) -> None:
-        if self.max_depth < 1:
-            raise ConfigError(f"qlass.max_depth must be >= 1 (got {self.max_depth})")
-        if self.samples_per_depth < 1:
-            raise ConfigError(f"qlass.samples_per_depth must be >= 1 (got {self.samples_per_depth})")
+        check_fields(self, "qlass")  # single-field ranges, from the fields' option(ge=..., gt=...) bounds
         if self.tree_tasks not in ("first", "spread"):
             raise ConfigError(f"qlass.tree_tasks must be 'first' or 'spread' (got {self.tree_tasks!r})")
-        if self.n_tree_tasks is not None and self.n_tree_tasks < 1:
-            raise ConfigError(f"qlass.n_tree_tasks must be >= 1 or null (got {self.n_tree_tasks})")
-        if self.explore_temperature <= 0 or self.candidate_temperature <= 0:
-            raise ConfigError("qlass.explore_temperature and qlass.candidate_temperature must be > 0 (they sample)")
-        if self.explore_top_k < 1:
-            raise ConfigError(f"qlass.explore_top_k must be >= 1 (got {self.explore_top_k})")
-        if not 0 < self.explore_top_p <= 1:
-            raise ConfigError(f"qlass.explore_top_p must be in (0, 1] (got {self.explore_top_p})")
-        if not 0 <= self.gamma <= 1:
-            raise ConfigError(f"qlass.gamma must be in [0, 1] (got {self.gamma})")
-        if self.max_nodes_per_tree is not None and self.max_nodes_per_tree < 1:
-            raise ConfigError(f"qlass.max_nodes_per_tree must be >= 1 or null (got {self.max_nodes_per_tree})")
         if self.loss_tokens not in ("all", "reply"):
             raise ConfigError(f"qlass.loss_tokens must be 'all' or 'reply' (got {self.loss_tokens!r})")
         if self.head_hidden < 1 or self.lr <= 0 or self.epochs <= 0:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from agentevo.errors import ConfigError
-from agentevo.options import option
+from agentevo.options import check_fields, option
 
 PR_CHOICES = ("gae", "q_minus_v", "td", "gae_aux")
 PI_CHOICES = ("bppo", "awr", "none")
@@ -78,13 +78,12 @@ class QEvolveConfig:
     rerank_temperature: float = option("sampling temperature of the reranked candidates [O]", 0.7, ge=0)
 
     def validate(self) -> None:
+        check_fields(self, "qevolve")  # single-field ranges, from the fields' option(ge=..., gt=...) bounds
         if self.eps_low <= self.eps_high:
             raise ConfigError(
                 f"qevolve.eps_low ({self.eps_low}) must be greater than qevolve.eps_high ({self.eps_high}): "
                 "Q-Evolve clips asymmetrically with eps_low > eps_high (methods-spec 2.3 step 5)"
             )
-        if not 0 < self.eps_low < 1 or self.eps_high < 0:
-            raise ConfigError(f"qevolve.eps_low must be in (0, 1) and eps_high >= 0 (got {self.eps_low}, {self.eps_high})")
         choices = {"pr": PR_CHOICES, "pi": PI_CHOICES, "critic_arch": CRITIC_ARCHS, "critic_init": CRITIC_INITS,
                    "buffer": BUFFERS, "loss_agg": LOSS_AGGS}
         for key, allowed in choices.items():
@@ -95,23 +94,6 @@ class QEvolveConfig:
                 f"qevolve.critic_arch={self.critic_arch!r} is not implemented in this version; use 'lasttoken' "
                 "(V at the last token of each observation turn, Q at the last token of each reply)"
             )
-        if not 0 < self.tau < 1:
-            raise ConfigError(f"qevolve.tau must be in (0, 1) (got {self.tau})")
-        for key in ("gamma", "lam", "polyak"):
-            if not 0 <= getattr(self, key) <= 1:
-                raise ConfigError(f"qevolve.{key} must be in [0, 1] (got {getattr(self, key)})")
-        if not 0 <= self.critic_holdout < 1:
-            raise ConfigError(f"qevolve.critic_holdout must be in [0, 1) (got {self.critic_holdout})")
-        if self.critic_epochs is not None and self.critic_epochs < 1:
-            raise ConfigError(f"qevolve.critic_epochs must be >= 1 or null (got {self.critic_epochs})")
-        for key in ("n_iters", "n_self_per_task", "rerank_n", "critic_steps", "critic_hidden"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"qevolve.{key} must be >= 1 (got {getattr(self, key)})")
-        for key in ("critic_lr", "policy_lr", "policy_epochs", "awr_beta", "awr_cap"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"qevolve.{key} must be > 0 (got {getattr(self, key)})")
-        if self.kl_alpha < 0 or self.collect_temperature < 0 or self.rerank_temperature < 0:
-            raise ConfigError("qevolve.kl_alpha, collect_temperature and rerank_temperature must be >= 0")
         for big, small in (("critic_batch_size", "critic_micro_batch_size"),
                            ("policy_batch_size", "policy_micro_batch_size")):
             b, m = getattr(self, big), getattr(self, small)
