@@ -93,6 +93,14 @@ def _check_warm_start_from(tmp_path: Path, env: dict[str, str]) -> None:
                          text=True, timeout=300)
     assert bad.returncode != 0
     assert "agent.max_new_tokens is 7 here but 6" in bad.stderr and "Traceback" not in bad.stderr
+    # more held-out tasks (a powered study): the same checkpoints are evaluated again here, on the longer list
+    more = subprocess.run([*base, "--name", "m", "--set", "env.n_test=8"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert more.returncode == 0, more.stderr
+    state = json.loads((tmp_path / "m" / "state.json").read_text())
+    assert state["warm_start_from"]["reevaluated"] == "env.n_test 6 -> 8"
+    assert state["eval/bc"]["test"]["n"] == 8 and state["bc"] == source["bc"]
+    assert len(_rewards(tmp_path / "m" / "experience.db", "eval/bc/test")) == 8
 
 
 def test_checkpoint_loads_with_plain_transformers(tmp_path) -> None:  # noqa: ANN001

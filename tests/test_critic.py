@@ -275,3 +275,26 @@ def test_lora_critic_is_a_second_adapter_on_the_policy_base(tiny_policy) -> None
     moved = [n for n in params if ".critic." in n and not torch.equal(params[n], params[n.replace(".critic.", ".default.")])]
     assert moved
     assert sum(1 for n in params if "lora_" not in n) == len(base)  # one copy of the base weights
+
+
+def test_backbone_runs_under_bf16_autocast_when_dtype_auto_and_heads_read_float32(tiny_policy, monkeypatch) -> None:  # noqa: ANN001
+    """model.dtype auto on a bf16 CPU: the critic's backbone matmuls run in bf16 (as the policy's training forwards
+    do) and the heads read float32 features; with float32 nothing is autocast."""
+    from agentevo.models import placement
+
+    critic = _critic(tiny_policy)
+    seen: list[torch.dtype] = []
+    first_linear = next(m for m in critic.lm.modules() if isinstance(m, torch.nn.Linear))
+    first_linear.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+    ids = torch.tensor([[1, 2, 3, 4]])
+    try:
+        monkeypatch.setattr(placement, "_read_cpuinfo", lambda: "flags : avx512f amx_bf16 avx512_bf16")
+        placement.configure("cpu", "auto")
+        h = critic.features(ids, torch.ones_like(ids))
+        placement.configure("cpu", "float32")
+        h32 = critic.features(ids, torch.ones_like(ids))
+    finally:
+        placement.configure("auto", "float32")
+    assert seen == [torch.bfloat16, torch.float32]
+    assert h.dtype == torch.float32 and h32.dtype == torch.float32
+    assert torch.allclose(h, h32, atol=0.1) and not torch.equal(h, h32)  # bf16 rounding, same function

@@ -126,7 +126,8 @@ def import_warm_start(run: Any, source: Path, collection: str = "expert",
                       checkpoints: tuple[str, ...] = ("init", "bc")) -> dict[str, Any]:
     """Copy a finished BC run's demos, init/bc checkpoints and phase results into this run (its phases are then
     skipped). The environment and agent settings must match, or the evaluations would not be comparable; only
-    env.n_train may be smaller (the demos of this run's training tasks are copied). A recipe with its own warm start
+    env.n_train may be smaller (the demos of this run's training tasks are copied), and env.n_dev / env.n_test may
+    differ (the imported checkpoints are then evaluated again here, on this run's task lists). A recipe with its own warm start
     names its demo collection, phases (phases[0] is the collection's) and checkpoints, and `also_equal` the settings
     of other config sections that shape it."""
     state_path, config_path = source / "state.json", source / "config.yaml"
@@ -140,6 +141,7 @@ def import_warm_start(run: Any, source: Path, collection: str = "expert",
     theirs = yaml.safe_load(config_path.read_text())
     ours = yaml.safe_load((run.dir / "config.yaml").read_text())
     checks = [("env", None), ("agent", None), ("model", ("path", "tiny", "gguf_file")), *(also_equal or {}).items()]
+    resized: list[str] = []  # evaluation split sizes that differ: the imported evaluations are redone here
     for section, keys in checks:
         # a setting absent from the source's config.yaml (written before the setting existed) counts as its default
         a = ours.get(section, {})
@@ -147,6 +149,10 @@ def import_warm_start(run: Any, source: Path, collection: str = "expert",
         for key in keys or sorted(set(a) | set(b)):
             if (section, key) == ("env", "n_train") and a.get(key, 0) <= b.get(key, 0):
                 continue  # a study may evolve on the first n training tasks of a BC run trained on more
+            if section == "env" and key in ("n_dev", "n_test"):
+                if a.get(key) != b.get(key):
+                    resized.append(f"env.{key} {b.get(key)} -> {a.get(key)}")
+                continue  # a powered study evaluates the same checkpoints on more held-out tasks
             if a.get(key) != b.get(key):
                 raise ConfigError(f"bc.warm_start_from: {section}.{key} is {a.get(key)!r} here but "
                                   f"{b.get(key)!r} in {str(source)!r}; use the same setting or another BC run")
@@ -156,7 +162,8 @@ def import_warm_start(run: Any, source: Path, collection: str = "expert",
         train_ids = {t.task_id for t in run.tasks("train")}
         experts = [t for t in experts if t.task.task_id in train_ids]
         run.store.add_missing(collection, enumerate(experts))
-        _copy_evaluations(src_store, run.store, [p for p in phases[1:] if p.startswith("eval/")])
+        if not resized:
+            _copy_evaluations(src_store, run.store, [p for p in phases[1:] if p.startswith("eval/")])
     finally:
         src_store.close()
     for name in checkpoints:
@@ -166,8 +173,12 @@ def import_warm_start(run: Any, source: Path, collection: str = "expert",
         shutil.copytree(source / "checkpoints" / name, target)
     run.state.setdefault(phases[0], {**_expert_stats(experts), "imported_from": str(source)})
     for phase in phases[1:]:
-        run.state.setdefault(phase, state[phase])
-    return {"source": str(source), "expert": len(experts)}
+        if not (resized and phase.startswith("eval/")):
+            run.state.setdefault(phase, state[phase])
+    out: dict[str, Any] = {"source": str(source), "expert": len(experts)}
+    if resized:
+        out["reevaluated"] = ", ".join(resized)
+    return out
 
 
 def _copy_evaluations(source: ExperienceStore, target: ExperienceStore, phases: list[str]) -> None:

@@ -36,6 +36,7 @@ from agentevo.algorithms import losses
 from agentevo.data.tensors import step_prompt_ids
 from agentevo.data.types import Trajectory
 from agentevo.eval.diagnostics import relative_drift
+from agentevo.models import placement
 
 CRITIC_ADAPTER = "critic"
 
@@ -221,8 +222,9 @@ class Critic(nn.Module):
         return self.v_head[0].weight.device
 
     def features(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        """Last-layer hidden states [B, L, H] (float32)."""
-        with use_adapter(self.lm, self.adapter):
+        """Last-layer hidden states [B, L, H] (float32). The backbone runs under placement.autocast() (bf16 when
+        model.dtype is auto on bf16 hardware, as the policy's training forwards do); the heads read float32."""
+        with use_adapter(self.lm, self.adapter), placement.autocast():
             out = _decoder(self.lm)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         return out.last_hidden_state.float()
 
