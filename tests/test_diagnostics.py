@@ -80,6 +80,18 @@ def test_critic_verdicts_for_the_studies_critic_and_a_fitted_one() -> None:
     assert dg.critic_fit({"auc_v1": None})[0].verdict == "n/a"
 
 
+def test_flagged_step_advantage_is_measured_and_graded() -> None:
+    """Steps the rules flag should get lower advantages than the others; credit on them is a failed premise."""
+    got = dg.flagged_advantage([1.0, -0.5, 0.25, 0.75], [True, False, True, False])
+    assert got == {"flagged_adv": 0.625, "unflagged_adv": 0.125, "flagged_n": 2}
+    assert dg.flagged_advantage([0.5], [False]) == {"flagged_adv": None, "unflagged_adv": 0.5, "flagged_n": 0}
+    (row,) = dg.critic_fit(got)
+    assert row.verdict == "fail" and row.value == "0.625 − 0.125 = 0.5" and "qevolve.lam" in row.fix
+    assert dg.critic_fit({"flagged_adv": -0.05, "unflagged_adv": 0.0})[0].verdict == "warn"
+    assert dg.critic_fit({"flagged_adv": -0.8, "unflagged_adv": 0.1})[0].verdict == "pass"
+    assert dg.critic_fit({"flagged_adv": None, "unflagged_adv": 0.1}) == []
+
+
 def test_other_methods_verdicts() -> None:
     rows = dg.policy_update({"zero_var_frac": 0.9, "kl": 0.05, "clip_frac_low": 0.2, "clip_frac_high": 0.0})
     assert [d.verdict for d in rows] == ["fail", "pass", "warn", "pass"]

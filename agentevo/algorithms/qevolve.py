@@ -37,7 +37,7 @@ from agentevo.algorithms.qevolve_config import QEvolveConfig
 from agentevo.data.store import ExperienceStore
 from agentevo.data.tensors import StepSample, collate, reply_logprobs, trajectory_samples
 from agentevo.data.types import Trajectory
-from agentevo.envs.base import SIGNALS
+from agentevo.envs.base import SIGNAL_NONE, SIGNALS
 from agentevo.errors import ConfigError
 from agentevo.eval import diagnostics
 from agentevo.eval.metrics import auc, summarize
@@ -473,7 +473,10 @@ def compute_advantages(run: Any, r: int, data: Dataset, cache: dict[str, Any]) -
     os.replace(tmp, path)
     stats = {**value_stats(data, values, q.tau), **advantage_stats(data, final, flat)}
     run.logger.log(f"round-{r}/advantages", 0, stats)
-    return stats
+    flagged = diagnostics.flagged_advantage([a for adv in final for a in adv],
+                                            [s.signal != SIGNAL_NONE for t in data.trajs for s in t.steps])
+    run.logger.log("diag/qevolve", r, flagged)  # merged with the critic's record of this round in the report
+    return {**stats, "diag": flagged}
 
 
 def value_stats(data: Dataset, values: list[dict[str, list[float]]], tau: float) -> dict[str, float]:

@@ -171,7 +171,23 @@ def critic_fit(v: dict[str, Any]) -> list[Diagnostic]:
                          grade(v["init_share"], 0.05, 0.5, higher_is_better=False),
                          "raise qevolve.polyak or qevolve.critic_steps",
                          f"{_fmt(v['init_share'])} after {_fmt(v.get('steps'))} steps"))
+    if v.get("flagged_adv") is not None and v.get("unflagged_adv") is not None:
+        gap = v["flagged_adv"] - v["unflagged_adv"]
+        rows.append(_row("advantage of rule-flagged steps (invalid / format / repeat) − of the others", gap,
+                         grade(gap, -0.1, 0.0, higher_is_better=False),
+                         "the process reward credits steps the rules call mistakes (with a weak V, GAE at lam near 1 "
+                         "is a Monte-Carlo return that credits a slip on a successful episode): fit the critic, "
+                         "lower qevolve.lam, or try qevolve.pr=gae_aux",
+                         f"{_fmt(v['flagged_adv'])} − {_fmt(v['unflagged_adv'])} = {_fmt(gap)}"))
     return rows
+
+
+def flagged_advantage(advantages: Sequence[float], flagged: Sequence[bool]) -> dict[str, float | int | None]:
+    """Mean advantage of the steps the rules flag and of the others (None where a side has no step)."""
+    on = [a for a, f in zip(advantages, flagged, strict=True) if f]
+    off = [a for a, f in zip(advantages, flagged, strict=True) if not f]
+    return {"flagged_adv": sum(on) / len(on) if on else None, "unflagged_adv": sum(off) / len(off) if off else None,
+            "flagged_n": len(on)}
 
 
 def policy_update(v: dict[str, Any]) -> list[Diagnostic]:

@@ -345,6 +345,16 @@ def test_one_round_end_to_end_and_resume(tmp_path, extra: list[str]) -> None:  #
     assert len(labels["adv"]) == 9
     flat = torch.tensor([a for t in labels["adv"] for a in t])
     assert abs(float(flat.mean())) < 1e-5 and float(flat.std()) == pytest.approx(1.0, abs=1e-4)
+    # the premise record of step 4: mean advantage of rule-flagged steps vs the others, from the same labels
+    records = [json.loads(line) for line in (tmp_path / "qe" / "metrics.jsonl").read_text().splitlines()]
+    (diag,) = [r for r in records if r["phase"] == "diag/qevolve" and "flagged_n" in r]
+    n_flagged = results["round-1/label"]["n_steps"] - round(results["round-1/label"]["aux_frac_none"]
+                                                            * results["round-1/label"]["n_steps"])
+    assert diag["step"] == 1 and diag["flagged_n"] == n_flagged
+    if diag["unflagged_adv"] is not None and diag["flagged_adv"] is not None:
+        n_all = int(flat.numel())
+        assert diag["flagged_adv"] * n_flagged + diag["unflagged_adv"] * (n_all - n_flagged) == pytest.approx(
+            float(flat.sum()), abs=1e-4)
     assert (tmp_path / "qe" / "checkpoints" / "round-1-critic" / "heads.pt").exists()
     phases = {json.loads(line)["phase"] for line in (tmp_path / "qe" / "metrics.jsonl").read_text().splitlines()}
     assert {"qevolve/data", "round-1/critic/train", "round-1/critic", "round-1/advantages"} <= phases
