@@ -13,7 +13,32 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 def _one_torch_thread() -> None:
     import torch
 
+    from agentevo.models import placement
+
     torch.set_num_threads(1)
+    _PRISTINE.update(settings=dict(placement._settings), threads=1)  # before any module fixture runs a run
+
+
+_PRISTINE: dict = {}
+
+
+@pytest.fixture(autouse=True)
+def _process_settings_restored():  # noqa: ANN202
+    """A run started in-process (in a test or a module fixture) sets process-wide state: placement (model.dtype,
+    device) and torch's thread count (model.torch_threads). Each test starts and ends at the session's starting
+    values, so no test computes its reference forwards under another run's bf16 autocast."""
+    import torch
+
+    from agentevo.models import placement
+
+    def reset() -> None:
+        placement._settings.clear()
+        placement._settings.update(_PRISTINE["settings"])
+        torch.set_num_threads(_PRISTINE["threads"])
+
+    reset()
+    yield
+    reset()
 
 
 CORPUS = [
