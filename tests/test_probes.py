@@ -104,6 +104,14 @@ def test_probe_envs_keep_the_contract() -> None:
     assert len(hs.tasks("test")) == 16 and len({t.params["vault"] for t in hs.tasks("test")}) == 16
     assert sorted(vault_password(t.params["vault"]) for t in hs.tasks("test")) == sorted(4 * ["red", "green", "blue",
                                                                                                "yellow"])
+    # n_vaults: more vaults, still balanced, one content word each, the first 16 as before; bad counts rejected
+    many = make_env("probe-hindsight", n_vaults=32, n_train=64)
+    vaults = [t.params["vault"] for t in many.tasks("train")]
+    assert vaults[:16] == [t.params["vault"] for t in hs.tasks("train")][:16] and len(set(vaults)) == 32
+    assert all(len(v.split()) == 1 for v in vaults) and vaults[32:] == vaults[:32]
+    assert sorted(vault_password(v) for v in set(vaults)) == sorted(8 * ["red", "green", "blue", "yellow"])
+    with pytest.raises(ConfigError, match="n_vaults must be a multiple of 4"):
+        make_env("probe-hindsight", n_vaults=30)
     # expert noise: the stated fraction of demos act wrongly (here 6 of 8) and lose
     noisy = make_env("probe-constant", expert_noise=0.75, n_train=8)
     assert [noisy.expert(t) for t in noisy.tasks("train")].count(["wait"]) == 6
@@ -281,16 +289,18 @@ def test_qlass_escapes_the_trap(trap_runs: Path, tmp_path) -> None:  # noqa: ANN
 
 # -- RSD: the hindsight probe ---------------------------------------------------------------------------------------
 
-# 2 layers, width 64 (reading a word from the prompt needs the second layer: see the copy test). Noise 0.5 on 32
-# demos (each of the 16 vaults twice): 6 vaults have only wrong demos, so the base is wrong there. The context
-# carries precedents and the future hindsight H_1 (whose observation names the password); the rule writer's lessons
-# ("Successful episodes began with: say <one colour>") mislead across vaults and its reflection names the student's
-# own action, so the probe runs without them (rsd.components, a rule knob).
+# 2 layers, width 64 (reading a word from the prompt needs the second layer: see the copy test). 32 vaults, 64 train
+# tasks (each vault twice), noise 0.5: 9 vaults have only wrong demos, so the base is wrong there. The context is
+# the future hindsight H_1 alone (its observation names the password). The warm start teaches every solved demo only
+# with context (rsd.ctx_warm_keep_plain=0): with a plain row as well, the tiny model fits both by remembering
+# vault -> password and never reads (docs/probes.md). With precedents in the context it learns to copy the top
+# precedent's answer, which in round 1 is mostly another vault's, and the rule writer's lessons / reflection name
+# one colour for all vaults, so the probe runs with the future only (rsd.components, a rule knob).
 RSD = ["model.tiny.num_layers=2", "model.tiny.hidden_size=64", "model.tiny.intermediate_size=128",
-       "env.params.expert_noise=0.5", "env.n_train=32", "optim.lr=3e-3", "optim.epochs=30", "optim.max_length=768",
-       "rsd.writer=rule", "rsd.ctx_warm_start=true", "rsd.ctx_warm_fraction=1.0", "rsd.ctx_warm_steps=1",
-       "rsd.ctx_warm_epochs=30", "rsd.components=[prec,future]", "rsd.tasks_per_round=32", "rsd.lr=1e-3",
-       "rsd.epochs=2", "rsd.internalisation=false"]
+       "env.params.expert_noise=0.5", "env.params.n_vaults=32", "env.n_train=64", "optim.lr=3e-3", "optim.epochs=30",
+       "optim.max_length=768", "rsd.writer=rule", "rsd.ctx_warm_start=true", "rsd.ctx_warm_fraction=1.0",
+       "rsd.ctx_warm_keep_plain=0.0", "rsd.ctx_warm_steps=1", "rsd.ctx_warm_epochs=60", "rsd.components=[future]",
+       "rsd.tasks_per_round=64", "rsd.lr=3e-3", "rsd.epochs=30", "rsd.internalisation=false"]
 
 
 @pytest.fixture(scope="module")
@@ -341,7 +351,9 @@ def test_rsd_variant_changes_what_it_claims(rsd_full: Path, tmp_path, flag: str)
     # (rsd.lr=0.3) makes follow_freeze freeze at the base (run 'freeze'), while always_follow keeps following
     extra = ["rsd.lr=0.3"] if flag.endswith("always_follow") else []
     base = [*RSD, f"rsd.rounds={rounds}", *extra, f"bc.warm_start_from={rsd_full}"]
-    run_probe("rsd", "probe-hindsight", [*base, flag], tmp_path, "variant")
+    # the full run's context has no precedents: random retrieval shows them to the teacher (same base: a rule knob)
+    shown = ["rsd.components=[prec,future]"] if flag == "rsd.retrieval=random" else []
+    run_probe("rsd", "probe-hindsight", [*base, *shown, flag], tmp_path, "variant")
     mine = tmp_path / "variant"
     same = [t.steps[0].action_text for t in _round_acts(mine, 1)]
     assert same == [t.steps[0].action_text for t in _round_acts(rsd_full, 1)]  # the same round-1 episodes
@@ -358,7 +370,7 @@ def test_rsd_variant_changes_what_it_claims(rsd_full: Path, tmp_path, flag: str)
                     for v in (theirs, ours)]
         assert top_same[0] == has_same and sum(has_same) >= 2, (top_same, has_same)
         assert ours != theirs and sum(top_same[1]) < sum(top_same[0]), top_same
-        assert not torch.equal(full_cache.logp, my_cache.logp)  # another context, another teacher target
+        assert _state(mine)["round-1/teacher"]["ctx_tokens_prec"] > 0  # the random precedents reach the teacher
     elif flag == "rsd.topk_tail=true":
         # the same teacher top-k (same weights, same context); the divergence adds the tail bucket
         assert torch.equal(full_cache.ids, my_cache.ids) and torch.equal(full_cache.logp, my_cache.logp)
@@ -381,19 +393,15 @@ def test_rsd_variant_changes_what_it_claims(rsd_full: Path, tmp_path, flag: str)
         assert my_t != ref_t and not torch.equal(_cache(ref, 2).logp, _cache(mine, 2).logp)
 
 
-# Not met yet (docs/probes.md, "RSD on probe-hindsight"): the context warm start trains its context rows only on
-# solved demos, whose answer the plain rows teach as well, so the tiny teacher fits them by remembering vault ->
-# password and never learns to read it: on vaults whose demos are all wrong it names the password on 2 of 12
-# round-1 steps (seeds 0, 1, 2 alike), and RSD leaves the student where it started (test 0.25 -> 0.25). Strict: passing it means RSD's premise
-# now holds on the probe, and the marker must go.
-@pytest.mark.xfail(strict=True, reason="the context warm start never forces reading (docs/probes.md)")
 def test_rsd_teacher_reads_the_password_from_hindsight(rsd_full: Path) -> None:
     """The teacher (ctx-bc with the round-1 context) names the password on >= 3/4 of the round-1 steps of vaults
-    with no solved demo, and 2 RSD rounds raise greedy test success by >= 0.25."""
+    with no solved demo, the premise diagnostic says so, and 2 RSD rounds raise greedy test success by >= 0.25.
+    Measured at seeds 0 / 1 / 2: see docs/probes.md."""
     import torch
     from transformers import AutoTokenizer
 
     from agentevo.envs.probes import vault_password
+    from agentevo.eval.diagnostics import rsd_premise
 
     tokenizer = AutoTokenizer.from_pretrained(rsd_full / "checkpoints" / "bc")
     from agentevo.data.store import ExperienceStore
@@ -412,8 +420,16 @@ def test_rsd_teacher_reads_the_password_from_hindsight(rsd_full: Path) -> None:
             start, n = cache.offsets[(i, 1)]
             named.append(vault_password(vault) in tokenizer.decode(top1[start : start + n]))
     state = _state(rsd_full)
+    assert state["ctx-bc"]["context_only_demos"] == state["ctx-bc"]["context_rows"] > 0  # no plain row for them
     start_s, end_s = (state[p]["test"]["success_rate"] for p in ("eval/base", "eval/round-2"))
     assert named and sum(named) >= 0.75 * len(named), (sum(named), len(named))
+    # the premise as diagnosed: the teacher favours what succeeded over what failed (the mean over all sampled
+    # tokens reads lower for this good teacher, since most of the weak student's samples are wrong)
+    teach = state["round-1/teacher"]
+    verdicts = {d.name.split(" (")[0]: d.verdict for d in rsd_premise(teach)}
+    assert teach["separation"] > 0.1 and "fail" not in verdicts.values(), (teach, verdicts)
+    assert verdicts["teacher − student log-prob per step, successful − failed episodes"] == "pass", verdicts
+    assert teach["teacher_token_logp"] < teach["student_token_logp"]
     assert end_s >= start_s + 0.25, (start_s, end_s)
 
 

@@ -397,7 +397,7 @@ CTX_WARM_START_PHASES = (*WARM_START_PHASES, "ctx-bc", "eval/ctx-bc")
 # the rsd settings that shape the context-aware warm start; the rule's whitelisted knobs (components, n_prec,
 # retrieval, position, teacher_temp) are not among them: ablations and rule search keep their base model, as in
 # the paper, whose every arm starts from the same instruction-tuned model
-CTX_WARM_START_KEYS = ("ctx_warm_start", "ctx_warm_fraction", "ctx_warm_steps", "ctx_warm_epochs",
+CTX_WARM_START_KEYS = ("ctx_warm_start", "ctx_warm_fraction", "ctx_warm_keep_plain", "ctx_warm_steps", "ctx_warm_epochs",
                        "ctx_warm_same_task", "ctx_warm_detours", "ctx_warm_detour_prob", "match_on", "prec_format",
                        "future_max_steps", "ctx_max_tokens", "lessons_per_outcome", "writer")
 DETOUR_COLLECTION = "expert-detour"
@@ -475,13 +475,20 @@ def context_warm_start(run: Any, start: str, name: str) -> dict[str, Any]:
     rule, writer = ContextRule.from_config(rsd), RuleWriter()
     lessons = {tt: writer.lessons(tt, [d for d in demos if d.task.task_type == tt][: rsd.lessons_per_outcome], [])
                for tt in {d.task.task_type for d in demos}}
-    samples = expert_samples(policy, demos, cfg.agent.history_window, cfg.optim.max_length)
     twins = {t.task.task_id: t for t in run.store.load(collection=DETOUR_COLLECTION)} if rsd.ctx_warm_detours else {}
     ensure_reply_ids(policy, list(twins.values()))
+    # Demos taught only with context: their answer is in no plain row, so the context rows cannot be fitted by
+    # recalling what the plain rows teach (the tiny model otherwise memorises task -> answer and never reads).
+    # A separate stream, so ctx_warm_keep_plain=1 leaves the draws (and the base) as they were.
+    plain_rng = random.Random(cfg.seed + 23)
+    samples: list[StepSample] = []
     n_ctx = n_detour = 0
+    ctx_only: set[int] = set()
     for k, demo in enumerate(demos):
         if rng.random() >= rsd.ctx_warm_fraction or not demo.steps:
             continue
+        if rsd.ctx_warm_keep_plain < 1.0 and plain_rng.random() >= rsd.ctx_warm_keep_plain:
+            ctx_only.add(k)
         # the episode the rows are cut from: the clean demo, or its replay with wasted steps
         twin = twins.get(demo.task.task_id)
         wasted = [t for t in (twin.meta.get("detours", []) if twin else []) if t < twin.length]
@@ -506,9 +513,13 @@ def context_warm_start(run: Any, start: str, name: str) -> dict[str, Any]:
                                    cfg.optim.max_length, ctxs, rule.position, steps=steps)
         samples += rows
         n_ctx += len(rows)
+    plain = expert_samples(policy, [d for k, d in enumerate(demos) if k not in ctx_only], cfg.agent.history_window,
+                           cfg.optim.max_length)
+    samples = plain + samples
     optim = dataclasses.replace(cfg.optim, epochs=rsd.ctx_warm_epochs)
     stats = finetune(run, policy, samples, nll_loss, name, optim=optim)
-    return {**stats, "samples": len(samples), "context_rows": n_ctx, "detour_rows": n_detour}
+    return {**stats, "samples": len(samples), "context_rows": n_ctx, "detour_rows": n_detour,
+            "context_only_demos": len(ctx_only)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -698,7 +709,8 @@ def _score_round(run: Any, r: int, trajs: list[Trajectory], rule: ContextRule, t
         "teacher_rows": len(rows), "teacher_rows_cut": cut, "kl_pre": float(pre["divergence"].mean()),
         "top1_mismatch": float((top1 != taken).float().mean()) if len(taken) else 0.0,
         "teacher_token_logp": float(cache.teacher_token_logp.mean()),
-        "student_token_logp": float(cache.student_token_logp.mean()), **flagged_step_auc(cache, trajs), **ctx_stats,
+        "student_token_logp": float(cache.student_token_logp.mean()), **flagged_step_auc(cache, trajs),
+        **outcome_separation(cache, trajs), **ctx_stats,
     }
 
 
@@ -748,14 +760,48 @@ def flagged_step_auc(cache: TeacherCache, trajs: Sequence[Trajectory]) -> dict[s
     return {"teacher_auc_flagged": auc(disfavour, flagged), "flagged_steps": sum(flagged)}
 
 
-PREMISE_KEYS = ("teacher_token_logp", "student_token_logp", "teacher_auc_flagged")
+def outcome_separation(cache: TeacherCache, trajs: Sequence[Trajectory]) -> dict[str, float | int | None]:
+    """Does the context make the teacher prefer what succeeded? Per step, gap = log p_T(a_t) - log pi_r(a_t) (sums
+    over the reply's tokens); its mean over the steps of successful episodes (success_gap), of failed ones
+    (failure_gap), and separation = success_gap - failure_gap. A teacher that reads the answer raises the student's
+    right actions and lowers its wrong ones: separation > 0. The mean over all sampled tokens (teacher_token_logp)
+    cannot show this: most samples of a weak student are wrong, so a teacher that knows the answer lowers it."""
+    gaps: dict[bool, list[float]] = {True: [], False: []}
+    for i, traj in enumerate(trajs):
+        for s in traj.steps:
+            start, n = cache.offsets[(i, s.t)]
+            if n:
+                sl = slice(start, start + n)
+                gaps[bool(traj.success)].append(float(cache.teacher_token_logp[sl].sum()
+                                                      - cache.student_token_logp[sl].sum()))
+    win = sum(gaps[True]) / len(gaps[True]) if gaps[True] else None
+    lose = sum(gaps[False]) / len(gaps[False]) if gaps[False] else None
+    return {"success_gap": win, "failure_gap": lose,
+            "separation": win - lose if win is not None and lose is not None else None,
+            "success_steps": len(gaps[True]), "failure_steps": len(gaps[False])}
+
+
+PREMISE_KEYS = ("teacher_token_logp", "student_token_logp", "teacher_auc_flagged", "success_gap", "failure_gap",
+                "separation", "success_steps", "failure_steps")
 
 
 def check_premise(values: dict[str, Any], stop: bool) -> None:
-    """RSD's premise before the first update: the teacher with the context is better than the student without it,
-    i.e. gives the student's own reply tokens a higher mean log-prob. Warn in the report (diag/rsd); with `stop`
-    (rsd.premise_stop) raise instead of distilling from a teacher that is not better."""
-    if not stop or "teacher_token_logp" not in values or "student_token_logp" not in values:
+    """RSD's premise before the first update: the teacher with the context is better than the student without it.
+    Judged by the outcome separation (the teacher raises successful actions more than failed ones relative to the
+    student) when the round has both outcomes; else, as before, by the mean log-prob of the student's own reply
+    tokens. Warn in the report (diag/rsd); with `stop` (rsd.premise_stop) raise instead of distilling from a
+    teacher that is not better."""
+    if not stop:
+        return
+    if values.get("separation") is not None:
+        if values["separation"] <= 0:
+            raise AgentevoError(
+                f"rsd premise fails: relative to the student, the teacher with context does not favour the round-1 "
+                f"steps of successful episodes over those of failed ones (separation {values['separation']:.3f} "
+                "nats per step); fix the context (rsd.ctx_*, rsd.ctx_warm_start) or set rsd.premise_stop=false to "
+                "distil anyway")
+        return
+    if "teacher_token_logp" not in values or "student_token_logp" not in values:
         return
     gap = values["teacher_token_logp"] - values["student_token_logp"]
     if gap < 0:

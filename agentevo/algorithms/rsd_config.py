@@ -92,6 +92,10 @@ class RSDConfig:
     ctx_warm_start: bool = option("after BC, train on a mix of plain and privileged-context demos so the teacher can "
                                   "read context (tiny models only) [O]", False)
     ctx_warm_fraction: float = option("demos that also get a context-augmented copy [O]", 0.5, ge=0, le=1)
+    ctx_warm_keep_plain: float = option("share of the context-augmented demos that keep their plain row too; the "
+                                        "others are taught only with context, so their answers can be fitted by "
+                                        "reading the context rather than by recalling the plain rows [O]",
+                                        1.0, ge=0, le=1)
     ctx_warm_steps: int = option("steps per context-augmented demo (each is its own row) [O]", 3, ge=1)
     ctx_warm_epochs: float = option("epochs of the context-aware warm start [O]", 2.0, gt=0)
     ctx_warm_same_task: float = option("probability that a warm-start precedent is the demo's own task (a solved "
@@ -146,8 +150,10 @@ class RSDConfig:
             raise ConfigError(f"rsd.probe_tasks must be >= 1 (got {self.probe_tasks})")
         if self.accept_margin < 0:
             raise ConfigError(f"rsd.accept_margin must be >= 0 points (got {self.accept_margin})")
-        if not 0.0 <= self.ctx_warm_fraction <= 1.0 or not 0.0 <= self.ctx_warm_same_task <= 1.0:
-            raise ConfigError("rsd.ctx_warm_fraction and rsd.ctx_warm_same_task must be in [0, 1]")
+        if not 0.0 <= self.ctx_warm_fraction <= 1.0 or not 0.0 <= self.ctx_warm_same_task <= 1.0 \
+                or not 0.0 <= self.ctx_warm_keep_plain <= 1.0:
+            raise ConfigError("rsd.ctx_warm_fraction, rsd.ctx_warm_keep_plain and rsd.ctx_warm_same_task must be in "
+                              "[0, 1]")
         if not 0.0 <= self.ctx_warm_detours <= 1.0 or not 0.0 < self.ctx_warm_detour_prob < 1.0:
             raise ConfigError("rsd.ctx_warm_detours must be in [0, 1] and rsd.ctx_warm_detour_prob in (0, 1)")
         if self.ctx_warm_steps < 1 or self.ctx_warm_epochs <= 0:

@@ -249,14 +249,55 @@ class TrapProbe(_Probe):
         return ["take coin", "walk through"] if self.noisy(task) else ["open door", "walk through"]
 
 
-# Each vault's fixed password, the same in every split; every colour is the password of two vaults (no answer is a
-# safe default). Two vaults share a password so that a vault whose demos are all wrong (expert_noise) still has its
-# password said by a solved demo of another vault: a model that learns to read it from hindsight there can read it
-# for the unsolved vault too (RSD's premise), whereas one that only memorised vault -> password cannot.
+# Each vault's fixed password, the same in every split; every colour is the password of four of the first 16 vaults
+# (no answer is a safe default). Vaults share a password so that a vault whose demos are all wrong (expert_noise)
+# still has its password said by a solved demo of another vault: a model that learns to read it from hindsight there
+# can read it for the unsolved vault too (RSD's premise), whereas one that only memorised vault -> password cannot.
 VAULT_PASSWORDS = {"north": "yellow", "south": "blue", "east": "red", "west": "green",
                    "iron": "blue", "stone": "green", "glass": "yellow", "oak": "red",
                    "copper": "red", "silver": "green", "marble": "yellow", "cedar": "blue",
                    "brass": "green", "slate": "red", "pine": "blue", "clay": "yellow"}
+MAX_VAULTS = len(VAULTS) ** 2
+
+
+_ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z")
+_VOWELS = ("a", "e", "i", "o", "u")
+
+
+def _made_up_names(n: int) -> tuple[str, ...]:
+    """VAULTS, then made-up one-word names of three syllables ('labofi'), fixed per index and all different, so a
+    vault is one content word for retrieval and the tiny tokenizer splits it into pieces."""
+    names = list(VAULTS)
+    while len(names) < n:
+        i, attempt, name = len(names), 0, ""
+        while not name or name in names:
+            units = [_unit("vault-name", i, j, attempt) if attempt else _unit("vault-name", i, j) for j in range(3)]
+            name = "".join(_ONSETS[int(u * len(_ONSETS))] + _VOWELS[int(u * len(_ONSETS) * len(_VOWELS)) % 5]
+                           for u in units)
+            attempt += 1
+        names.append(name)
+    return tuple(names)
+
+
+VAULT_NAMES = _made_up_names(MAX_VAULTS)
+
+
+def _vault_name(i: int) -> str:
+    """Vault i (the 16 words of VAULTS first)."""
+    return VAULT_NAMES[i]
+
+
+def _more_passwords() -> dict[str, str]:
+    """Passwords of vaults 16..255: each block of four consecutive vaults holds every colour once, in a hashed
+    order, so any n_vaults that is a multiple of 4 is balanced and a vault's password does not depend on n_vaults."""
+    out = {}
+    for start in range(len(VAULTS), MAX_VAULTS, len(COLOURS)):
+        order = sorted(COLOURS, key=lambda c, s=start: _unit("vault-password", s, c))
+        out.update({_vault_name(start + j): c for j, c in enumerate(order)})
+    return out
+
+
+VAULT_PASSWORDS.update(_more_passwords())
 
 
 def vault_password(vault: str) -> str:
@@ -268,15 +309,28 @@ class HindsightProbe(_Probe):
     """One step; 'say <password>' opens the vault. The password is fixed per vault (the same vaults recur in every
     split) but never shown before acting: every answer ends the episode with an observation that names it ('The
     vault opens. The password was <p>. You win.' or 'Wrong password. The password was <p>.'), so only hindsight
-    (the next observation, precedents of the same vault) carries it."""
+    (the next observation, precedents of the same vault) carries it.
+
+    n_vaults (default 16, a multiple of 4 up to 256) sets how many vaults the tasks cycle through. With many vaults
+    each vault recurs rarely, so a model that must name passwords from context finds reading them cheaper than
+    remembering one per vault (docs/probes.md, RSD)."""
 
     name = "probe-hindsight"
     task_type = "hindsight"
     instruction_text = ("A probe task. Reply with one line 'Thought: <reasoning>' and one line 'Action: <command>'. "
                         "Commands: say red, say green, say blue, say yellow.")
 
+    def __init__(self, max_steps: int | None = None, expert_noise: float = 0.0, n_train: int | None = None,
+                 n_dev: int | None = None, n_test: int | None = None, n_vaults: int = len(VAULTS)) -> None:
+        super().__init__(max_steps, expert_noise, n_train, n_dev, n_test)
+        if not (len(COLOURS) <= n_vaults <= MAX_VAULTS and n_vaults % len(COLOURS) == 0):
+            raise ConfigError(f"{self.name}: n_vaults must be a multiple of {len(COLOURS)} in "
+                              f"[{len(COLOURS)}, {MAX_VAULTS}] (got {n_vaults}); every colour is then the password "
+                              "of as many vaults as every other")
+        self.n_vaults = n_vaults
+
     def task_params(self, split: str, k: int) -> dict[str, Any]:
-        return {"vault": VAULTS[k % len(VAULTS)]}
+        return {"vault": _vault_name(k % self.n_vaults)}
 
     def reset(self, task: Task) -> tuple[str, dict[str, Any]]:
         """Name the vault; not its password."""

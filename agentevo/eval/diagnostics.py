@@ -217,10 +217,30 @@ def rsd_premise(v: dict[str, Any]) -> list[Diagnostic]:
         gap = v["success_base_ctx"] - v["success_base"]
         rows.append(_row("success with context − without (base model)", gap, grade(gap, 0.0, -0.02), stop,
                          f"{100 * v['success_base_ctx']:.1f}% − {100 * v['success_base']:.1f}% = {100 * gap:+.1f} pt"))
-    if "teacher_token_logp" in v and "student_token_logp" in v:
+    has_sampled = "teacher_token_logp" in v and "student_token_logp" in v
+    sampled = (f"; all sampled tokens {_fmt(v['teacher_token_logp'])} vs {_fmt(v['student_token_logp'])}"
+               if has_sampled else "")
+    if v.get("separation") is not None:
+        # The honest test: relative to the student, the teacher must favour what succeeded over what failed.
+        rows.append(_row("teacher − student log-prob per step, successful − failed episodes (separation)",
+                         v["separation"], grade(v["separation"], 0.1, 0.01),
+                         "the context does not tell the teacher what worked: make it carry the outcome "
+                         "(rsd.components with future), teach reading it (rsd.ctx_warm_start, "
+                         "rsd.ctx_warm_keep_plain=0 when the model memorises answers instead), or do not distil",
+                         f"{_fmt(v.get('success_gap'))} − {_fmt(v.get('failure_gap'))} = {_fmt(v['separation'])} "
+                         f"({_fmt(v.get('success_steps'))} / {_fmt(v.get('failure_steps'))} steps)"))
+    if v.get("success_gap") is not None:
+        rows.append(_row("teacher − student log-prob on successful episodes' steps", v["success_gap"],
+                         grade(v["success_gap"], -0.1, -0.5),
+                         "the teacher with context doubts actions that worked: " + stop,
+                         f"{_fmt(v['success_gap'])}{sampled}"))
+    elif has_sampled:
+        # Records without outcome numbers (older runs, or a round with only one outcome): the mean over the
+        # student's own sampled tokens, which a teacher that knows the answer lowers on every wrong sample.
         gap = v["teacher_token_logp"] - v["student_token_logp"]
         rows.append(_row("teacher log-prob of the behaviour tokens, with − without context", gap,
-                         grade(gap, 0.0, -0.1), stop,
+                         grade(gap, 0.0, -0.1), stop + " (a weak student's samples are mostly wrong, so a good "
+                         "teacher can read lower here: check the success separation before acting on this)",
                          f"{_fmt(v['teacher_token_logp'])} − {_fmt(v['student_token_logp'])} = {_fmt(gap)}"))
     if "teacher_auc_flagged" in v:
         rows.append(_row("teacher disfavours flagged steps (AUC)", v["teacher_auc_flagged"],

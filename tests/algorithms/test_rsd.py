@@ -515,3 +515,29 @@ def test_flagged_step_auc_on_a_hand_made_cache() -> None:
     out = flagged_step_auc(cache, [a, b])
     # flagged {2.0, 0.3} vs others {0.1, 0.5, -0.2}: 2.0 beats all 3, 0.3 beats 2 of 3 -> 5/6
     assert out["flagged_steps"] == 2 and out["teacher_auc_flagged"] == pytest.approx(5 / 6)
+
+
+def test_outcome_separation_on_a_hand_made_cache() -> None:
+    from agentevo.algorithms.rsd import check_premise, outcome_separation
+    from agentevo.errors import AgentevoError
+
+    win = _traj(None, ["take knife", "eat meal"])
+    lose = _traj(None, ["open fridge"])
+    win.success, lose.success = True, False
+    for traj, lens in ((win, (1, 2)), (lose, (2,))):
+        for s, n in zip(traj.steps, lens, strict=True):
+            s.action_ids = [5] * n
+    cache = TeacherCache.empty([win, lose], 2)
+    # teacher - student per step (summed over its tokens): win 0.5 and 1.5 (mean 1.0), lose -0.25 - 0.25 = -0.5
+    cache.teacher_token_logp = torch.tensor([-0.5, -0.25, -0.25, -1.25, -1.25])
+    cache.student_token_logp = torch.tensor([-1.0, -1.0, -1.0, -1.0, -1.0])
+    out = outcome_separation(cache, [win, lose])
+    assert out == pytest.approx({"success_gap": 1.0, "failure_gap": -0.5, "separation": 1.5, "success_steps": 2,
+                                 "failure_steps": 1})
+    check_premise(out, stop=True)  # the teacher favours what worked: the premise holds
+    with pytest.raises(AgentevoError, match=r"does not favour the round-1 steps of successful episodes .*"
+                                            r"separation -1.500 nats per step"):
+        check_premise({**out, "separation": -1.5}, stop=True)
+    # one outcome only: no separation, and the premise falls back to the mean sampled-token log-prob
+    only = outcome_separation(TeacherCache.empty([win], 2), [win])
+    assert only["separation"] is None and only["failure_gap"] is None
