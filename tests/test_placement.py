@@ -75,3 +75,38 @@ def test_a_folder_without_a_model_or_tokenizer_is_a_config_error(tiny_policy, tm
     (tmp_path / "m" / "manifest.json").unlink()  # a folder from before manifests: transformers raises ValueError
     with pytest.raises(ConfigError, match="could not load a causal LM from .*m'"):
         load_pretrained(tmp_path / "m")
+
+
+def test_scoring_forwards_run_in_the_precision_of_the_loss(tiny_policy, monkeypatch) -> None:  # noqa: ANN001
+    """With model.dtype auto on a bf16 CPU, the log-probs a recipe scores before its update (Q-Evolve's pi_old /
+    pi_BC and GRPO's reference through reply_logprobs; RSD's teacher through reply_logits) come from bf16 forwards,
+    as the loss's forward does, so ratio 1 and KL 0 hold at the first step; under float32 nothing is autocast."""
+    import torch
+
+    from agentevo.algorithms.rsd import reply_logits
+    from agentevo.data.tensors import StepSample, collate, reply_logprobs
+    from agentevo.models import placement
+
+    seen: list[torch.dtype] = []
+    first_linear = next(m for m in tiny_policy.model.modules() if isinstance(m, torch.nn.Linear))
+    hook = first_linear.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+    sample = StepSample(input_ids=[5, 6, 7, 8, 9, 10], spans=[(3, 6)], traj_index=0, steps=[0])
+    batch = collate([sample], tiny_policy.pad_id)
+    try:
+        monkeypatch.setattr(placement, "_read_cpuinfo", lambda: "flags : avx512f amx_bf16 avx512_bf16")
+        placement.configure("cpu", "auto")
+        with torch.no_grad():
+            auto, _ = reply_logprobs(tiny_policy.model, batch)
+            with torch.autocast("cpu", dtype=torch.bfloat16):  # what the training loop's loss forward computes
+                want, _ = reply_logprobs(tiny_policy.model, batch)
+        list(reply_logits(tiny_policy.model, [sample], tiny_policy.pad_id, 1))
+        placement.configure("cpu", "float32")
+        with torch.no_grad():
+            fp32, _ = reply_logprobs(tiny_policy.model, batch)
+        list(reply_logits(tiny_policy.model, [sample], tiny_policy.pad_id, 1))
+    finally:
+        hook.remove()
+        placement.configure("auto", "float32")
+    assert seen == [torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.float32, torch.float32]
+    assert torch.equal(auto, want) and not torch.equal(auto, fp32)
+    assert torch.allclose(auto, fp32, atol=0.1)  # bf16 rounding of the same function

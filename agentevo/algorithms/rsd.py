@@ -255,12 +255,15 @@ class TeacherCache:
 
 def reply_logits(model: Any, rows: Sequence[StepSample], pad_id: int, batch_size: int,
                  ) -> Iterator[tuple[StepSample, torch.Tensor, torch.Tensor]]:
-    """Per row: the logits that predict each reply token [n_reply, V] (float32, cpu) and those tokens, no grad."""
+    """Per row: the logits that predict each reply token [n_reply, V] (float32, cpu) and those tokens, no grad. The
+    forward runs under placement.autocast(), the precision the student's distillation loss runs in."""
+    from agentevo.models import placement
+
     order = sorted(range(len(rows)), key=lambda i: len(rows[i].input_ids))
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    with torch.no_grad():
+    with torch.no_grad(), placement.autocast():
         for start in range(0, len(order), batch_size):
             chunk = [rows[i] for i in order[start : start + batch_size]]
             batch = collate(chunk, pad_id)

@@ -144,9 +144,14 @@ def collate(samples: list[StepSample], pad_id: int) -> dict[str, Any]:
 
 
 def reply_logprobs(model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob of every token given its prefix, aligned to input positions (column 0 is 0), and the reply mask."""
+    """Log-prob of every token given its prefix, aligned to input positions (column 0 is 0), and the reply mask.
+    The forward runs under placement.autocast(), as training forwards and generation do, so log-probs scored here
+    (Q-Evolve's pi_old and pi_BC, GRPO's reference) are in the precision the loss compares them with: with
+    model.dtype auto on bf16 hardware a float32 score would start every ratio and KL off 1 and 0 by rounding."""
     from agentevo.algorithms.losses import token_logprobs
+    from agentevo.models import placement
 
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    with placement.autocast():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     picked = token_logprobs(logits, batch["input_ids"])
     return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1), batch["action_mask"]
