@@ -74,7 +74,11 @@ def test_critic_verdicts_for_the_studies_critic_and_a_fitted_one() -> None:
         ("target heads' weight on their init (1-polyak)^steps", "fail")]
     assert rows[2].value == "0.03 / 0.4 = 0.075"
     assert rows[5].value == "0.918 after 17 steps" and "qevolve.polyak" in rows[5].fix
-    assert rows[0].fix.startswith("raise qevolve.critic_steps")
+    assert rows[0].fix.startswith("raise qevolve.critic_steps (ran 17; 500 fits") and "held-out episodes" not in rows[0].fix
+    # few held-out episodes: the fix says the AUC itself is noisy (Mann-Whitney SE ~ 1 / sqrt(3 * 45) = 0.086)
+    assert rows[0].fix == dg.critic_fit(dict(old, n_holdout=200))[0].fix
+    assert dg.critic_fit(dict(old, n_holdout=45))[0].fix.endswith(
+        "; with 45 held-out episodes the AUC's standard error is ~0.09, so also hold out more (qevolve.critic_holdout)")
     good = dict(old, auc_v1=0.9, auc_q=0.9, v_std=0.3, ev=0.6, target_drift=0.01, init_share=1e-11, steps=500)
     assert {d.verdict for d in dg.critic_fit(good)} == {"pass"} and all(d.fix == "" for d in dg.critic_fit(good))
     assert dg.critic_fit({"auc_v1": None})[0].verdict == "n/a"

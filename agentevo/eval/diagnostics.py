@@ -147,12 +147,18 @@ def _row(name: str, value: Any, verdict: str, fix: str, shown: str | None = None
 def critic_fit(v: dict[str, Any]) -> list[Diagnostic]:
     """Q-Evolve: does the critic separate held-out successes, spread its values and follow its targets?"""
     rows = []
-    budget = "raise qevolve.critic_steps (500 fits the synthetic check) and remove qevolve.critic_epochs"
+    ran = f"ran {_fmt(v['steps'])}; " if v.get("steps") is not None else ""
+    budget = (f"raise qevolve.critic_steps ({ran}500 fits the synthetic check; qevolve.critic_epochs, when set, "
+              "replaces it)")
     few = "hold out more tasks (qevolve.critic_holdout) so both outcomes appear among them"
+    n_held = v.get("n_holdout")
+    # Mann-Whitney null variance (n1 + n2 + 1) / (12 n1 n2): about 1 / (3n) when the outcomes are balanced
+    noisy = (f"; with {n_held} held-out episodes the AUC's standard error is ~{1 / (3 * n_held) ** 0.5:.2f}, so also hold "
+             "out more (qevolve.critic_holdout)") if n_held and n_held < 100 else ""
     for key, name in (("auc_v1", "held-out AUC of V(s_1) for success"), ("auc_q", "held-out AUC of min Q(s_1,a_1)")):
         if key in v:
             verdict = grade(v[key], 0.7, 0.6)
-            rows.append(_row(name, v[key], verdict, few if verdict == NA else budget))
+            rows.append(_row(name, v[key], verdict, few if verdict == NA else budget + noisy))
     if "v_std" in v:
         ratio = v["v_std"] / v["return_std"] if v.get("return_std") else None
         rows.append(_row("V spread (std over states / std of returns-to-go)", ratio, grade(ratio, 0.3, 0.1),
@@ -176,8 +182,8 @@ def critic_fit(v: dict[str, Any]) -> list[Diagnostic]:
         rows.append(_row("advantage of rule-flagged steps (invalid / format / repeat) − of the others", gap,
                          grade(gap, -0.1, 0.0, higher_is_better=False),
                          "the process reward credits steps the rules call mistakes (with a weak V, GAE at lam near 1 "
-                         "is a Monte-Carlo return that credits a slip on a successful episode): fit the critic, "
-                         "lower qevolve.lam, or try qevolve.pr=gae_aux",
+                         "is close to a Monte-Carlo return minus V, which can rate a slip above the average step): "
+                         "fit the critic, lower qevolve.lam (0.5), or add the rule reward to GAE (qevolve.pr=gae_aux)",
                          f"{_fmt(v['flagged_adv'])} − {_fmt(v['unflagged_adv'])} = {_fmt(gap)}"))
     return rows
 
