@@ -473,10 +473,35 @@ def compute_advantages(run: Any, r: int, data: Dataset, cache: dict[str, Any]) -
     os.replace(tmp, path)
     stats = {**value_stats(data, values, q.tau), **advantage_stats(data, final, flat)}
     run.logger.log(f"round-{r}/advantages", 0, stats)
-    flagged = diagnostics.flagged_advantage([a for adv in final for a in adv],
-                                            [s.signal != SIGNAL_NONE for t in data.trajs for s in t.steps])
+    is_flagged = [s.signal != SIGNAL_NONE for t in data.trajs for s in t.steps]
+    flagged = diagnostics.flagged_advantage([a for adv in final for a in adv], is_flagged)
+    flagged.update(flagged_gap_alternatives(q, data, values, is_flagged))
     run.logger.log("diag/qevolve", r, flagged)  # merged with the critic's record of this round in the report
     return {**stats, "diag": flagged}
+
+
+# process rewards the flagged-step diagnostic also computes from the same critic values, so a failing report can
+# say which setting would have passed (changing pr or lam does not change the critic: it is fitted before)
+PR_ALTERNATIVES = (("gae", 0.5), ("gae", 0.0), ("gae_aux", None))
+GAP_IF = diagnostics.FLAGGED_GAP_IF
+
+
+def flagged_gap_alternatives(q: QEvolveConfig, data: Dataset, values: list[dict[str, list[float]]],
+                             is_flagged: list[bool]) -> dict[str, float | None]:
+    """Normalised advantage of rule-flagged steps minus the others' under other process rewards (PR_ALTERNATIVES;
+    None = this run's lam), keyed 'flagged_gap_if_<pr>_lam<lam>' (flat scalars, so trackers plot them too)."""
+    labels = [step_labels(t, q) for t in data.trajs]
+    out: dict[str, float | None] = {}
+    for pr, lam in PR_ALTERNATIVES:
+        lam = q.lam if lam is None else lam
+        if (pr, lam) == (q.pr, q.lam) or q.pr == "q_minus_v":
+            continue
+        alt = dataclasses.replace(q, pr=pr, lam=lam)
+        _, final = dataset_advantages(alt, labels, values)
+        d = diagnostics.flagged_advantage([a for adv in final for a in adv], is_flagged)
+        gap = None if d["flagged_adv"] is None or d["unflagged_adv"] is None else d["flagged_adv"] - d["unflagged_adv"]
+        out[f"{GAP_IF}{pr}_lam{lam:g}"] = gap
+    return out
 
 
 def value_stats(data: Dataset, values: list[dict[str, list[float]]], tau: float) -> dict[str, float]:

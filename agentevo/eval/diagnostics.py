@@ -13,6 +13,7 @@ agreement of 2/3) land on warn or fail.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -144,6 +145,9 @@ def _row(name: str, value: Any, verdict: str, fix: str, shown: str | None = None
     return Diagnostic(name, shown if shown is not None else _fmt(value), verdict, "" if verdict == PASS else fix)
 
 
+FLAGGED_GAP_IF = "flagged_gap_if_"  # + '<pr>_lam<lam>': the flagged-step gap under another process reward
+
+
 def critic_fit(v: dict[str, Any]) -> list[Diagnostic]:
     """Q-Evolve: does the critic separate held-out successes, spread its values and follow its targets?"""
     rows = []
@@ -185,6 +189,14 @@ def critic_fit(v: dict[str, Any]) -> list[Diagnostic]:
                          "is close to a Monte-Carlo return minus V, which can rate a slip above the average step): "
                          "fit the critic, lower qevolve.lam (0.5), or add the rule reward to GAE (qevolve.pr=gae_aux)",
                          f"{_fmt(v['flagged_adv'])} − {_fmt(v['unflagged_adv'])} = {_fmt(gap)}"))
+        passing = []
+        for key, g in v.items():
+            if key.startswith(FLAGGED_GAP_IF) and isinstance(g, (int, float)) and g <= -0.1:
+                pr, _, lam = key[len(FLAGGED_GAP_IF):].rpartition("_lam")
+                passing.append(f"pr={pr} lam={lam} gives {_fmt(g)}")
+        if passing and rows[-1].fix:
+            rows[-1] = dataclasses.replace(rows[-1], fix=rows[-1].fix + "; from this round's critic values, "
+                                           + ", ".join(passing) + " (qevolve.pr / qevolve.lam)")
     return rows
 
 
