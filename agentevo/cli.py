@@ -7,13 +7,16 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentevo.errors import AgentevoError, ConfigError
 from agentevo.eval.compare import METRICS
 
+if TYPE_CHECKING:
+    from agentevo.run import Run
 
-def _summary_table(run: Any, results: dict[str, Any]) -> None:
+
+def _summary_table(run: Run, results: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -41,7 +44,7 @@ def _summary_table(run: Any, results: dict[str, Any]) -> None:
                       "rollout.max_retries) and count as failures above")
 
 
-def _run_recipe(run: Any) -> int:
+def _run_recipe(run: Run) -> int:
     from agentevo import dist
     from agentevo.eval.report import write_report
     from agentevo.recipes import DISTRIBUTED_RECIPES, get_recipe

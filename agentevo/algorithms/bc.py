@@ -12,7 +12,7 @@ import json
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import yaml
@@ -28,6 +28,9 @@ from agentevo.models.policy import initial_policy, tokenizer_corpus
 from agentevo.rollout.engine import EpisodeRequest, ExpertActor
 from agentevo.train.finetune import finetune
 
+if TYPE_CHECKING:
+    from agentevo.run import Run
+
 
 def nll_loss(model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
     """Token-mean NLL over reply tokens."""
@@ -35,7 +38,7 @@ def nll_loss(model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str,
     return losses.nll_loss(logp, mask, "token-mean"), {"tokens": float(mask.sum())}
 
 
-def collect_expert(run: Any, n: int | None) -> list[Trajectory]:
+def collect_expert(run: Run, n: int | None) -> list[Trajectory]:
     """Expert demos (the environment's gold sequences as ReAct replies) on the first n training tasks (None: all of
     them; the env applies env.n_train itself, per task type for ScienceWorld)."""
     tasks = run.tasks("train", n)
@@ -75,19 +78,19 @@ def expert_samples(policy: TransformersPolicy, trajs: list[Trajectory], window: 
     return samples
 
 
-def train_bc(run: Any, policy: TransformersPolicy, trajs: list[Trajectory], name: str) -> dict[str, float]:
+def train_bc(run: Run, policy: TransformersPolicy, trajs: list[Trajectory], name: str) -> dict[str, float]:
     """BC on the given trajectories; saves checkpoints/<name> and returns the final training stats."""
     cfg = run.cfg
     samples = expert_samples(policy, trajs, cfg.agent.history_window, cfg.optim.max_length)
     return {**finetune(run, policy, samples, nll_loss, name), "samples": len(samples)}
 
 
-def run(run: Any) -> dict[str, Any]:
+def run(run: Run) -> dict[str, Any]:
     """The BC recipe end to end; returns the evaluation table."""
     return warm_start(run)
 
 
-def warm_start(run: Any) -> dict[str, Any]:
+def warm_start(run: Run) -> dict[str, Any]:
     """Expert demos -> initial policy (checkpoints/init) -> eval -> BC (checkpoints/bc) -> eval.
 
     Every phase is recorded in state.json, so recipes that start from BC (Q-Evolve, ETO, QLASS, GRPO, ...)
@@ -120,7 +123,7 @@ def warm_start(run: Any) -> dict[str, Any]:
 WARM_START_PHASES = ("expert", "init", "eval/init", "bc", "eval/bc")
 
 
-def import_warm_start(run: Any, source: Path, collection: str = "expert",
+def import_warm_start(run: Run, source: Path, collection: str = "expert",
                       phases: tuple[str, ...] = WARM_START_PHASES,
                       also_equal: dict[str, tuple[str, ...]] | None = None,
                       checkpoints: tuple[str, ...] = ("init", "bc")) -> dict[str, Any]:

@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentevo.algorithms.bc import nll_loss
 from agentevo.algorithms.rsd import prepare_base, round_tasks, sampling_actor
@@ -17,8 +17,11 @@ from agentevo.eval.metrics import summarize
 from agentevo.rollout.engine import EpisodeRequest
 from agentevo.train.finetune import finetune
 
+if TYPE_CHECKING:
+    from agentevo.run import Run
 
-def run(run: Any) -> dict[str, Any]:
+
+def run(run: Run) -> dict[str, Any]:
     """BoN-N + SFT end to end; returns the evaluation table."""
     cfg, rsd = run.cfg, run.cfg.rsd
     base, results = prepare_base(run)

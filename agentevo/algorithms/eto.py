@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,6 +32,9 @@ from agentevo.eval.metrics import summarize
 from agentevo.models.backend import Sampling, TransformersPolicy
 from agentevo.rollout.engine import EpisodeRequest, PolicyActor
 from agentevo.train.finetune import finetune
+
+if TYPE_CHECKING:
+    from agentevo.run import Run
 
 # -- 2. preference pairs -------------------------------------------------------------------------
 
@@ -171,7 +174,7 @@ def dpo_diagnostics(pairs: list[PreferencePair], after: list[list[float]], beta:
             "chosen_logp_drift": sum(d_c) / n, "rejected_logp_drift": sum(d_r) / n}
 
 
-def train_dpo(run: Any, policy: TransformersPolicy, specs: list[PairSpec], iteration: int,
+def train_dpo(run: Run, policy: TransformersPolicy, specs: list[PairSpec], iteration: int,
               name: str) -> dict[str, float]:
     """DPO of the policy on the pairs with this iteration's β and lr; saves checkpoints/<name>."""
     cfg, eto = run.cfg, run.cfg.eto
@@ -199,7 +202,7 @@ def train_dpo(run: Any, policy: TransformersPolicy, specs: list[PairSpec], itera
 # -- the recipe ----------------------------------------------------------------------------------
 
 
-def _iteration(run: Any, i: int, current: str, expert: dict[str, Trajectory]) -> dict[str, Any]:
+def _iteration(run: Run, i: int, current: str, expert: dict[str, Trajectory]) -> dict[str, Any]:
     """One ETO iteration from checkpoint `current`; returns its phases' results."""
     cfg, eto = run.cfg, run.cfg.eto
     name = f"eto-iter-{i}"
@@ -235,7 +238,7 @@ def _iteration(run: Any, i: int, current: str, expert: dict[str, Trajectory]) ->
     return out
 
 
-def run(run: Any) -> dict[str, Any]:
+def run(run: Run) -> dict[str, Any]:
     """ETO end to end: BC warm start, then n_iters of explore -> pairs -> DPO -> eval."""
     cfg = run.cfg
     results = warm_start(run)

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -56,6 +56,9 @@ from agentevo.models.backend import (
 )
 from agentevo.models.policy import with_lora
 from agentevo.rollout.engine import EpisodeRequest, PolicyActor
+
+if TYPE_CHECKING:
+    from agentevo.run import Run
 
 LossFn = Callable[[Any, dict[str, Any]], tuple[torch.Tensor, dict[str, float]]]
 
@@ -372,13 +375,13 @@ def rollout_stats(trajs: Sequence[Trajectory]) -> dict[str, float]:
     return {f"rollout_{k}": float(v) for k, v in summarize(list(trajs)).items()}
 
 
-def evaluate_with(run: Any, actor: Any, label: str, pool: Any, extra: dict[str, Any] | None = None
+def evaluate_with(run: Run, actor: Any, label: str, pool: Any, extra: dict[str, Any] | None = None
                   ) -> dict[str, dict[str, Any]]:
     """Greedy evaluation like Run.evaluate, with a given actor and env pool; `extra` is added to each split."""
     return run.evaluate_actor(actor, label, pool=pool, extra=extra)
 
 
-def plot_success_vs_env_steps(run: Any, points: list[tuple[str, dict[str, dict[str, Any]]]], name: str) -> Path | None:
+def plot_success_vs_env_steps(run: Run, points: list[tuple[str, dict[str, dict[str, Any]]]], name: str) -> Path | None:
     """plots/<name>.png: held-out success against the training env steps, one line per split."""
     rows = [(m.get("train_env_steps", 0), split, m["success_rate"]) for _, res in points for split, m in res.items()
             if isinstance(m, dict) and "success_rate" in m]
@@ -415,7 +418,7 @@ def rollout_seed(run_seed: int, k: int) -> int:
     return run_seed * 1_000_003 + k * 7919
 
 
-def check_on_policy_backend(run: Any) -> None:
+def check_on_policy_backend(run: Run) -> None:
     """On-policy updates need a generator that can take each update's weights: transformers or vLLM."""
     if run.cfg.model.backend == "http":
         raise ConfigError(f"{run.cfg.method} rolls out with the policy it is training, but model.backend: http talks "
@@ -423,7 +426,7 @@ def check_on_policy_backend(run: Any) -> None:
                           "update) or transformers")
 
 
-def acting_policy(run: Any, trainer: PolicyTrainer, k: int) -> Any:
+def acting_policy(run: Run, trainer: PolicyTrainer, k: int) -> Any:
     """π_{k−1}, which rolls out update k: the trained model itself with model.backend transformers; with vLLM the
     weights after update k−1 loaded into the run's engine in place, from their evaluation export
     (checkpoints/update-{k−1}) when update k−1 was evaluated, else exported to checkpoints/rollout."""
@@ -476,7 +479,7 @@ class UpdateLoop:
 
 
 def run_updates(
-    run: Any,
+    run: Run,
     loop: UpdateLoop,
     rollout_and_label: Callable[[int, Any], Labelled],
     evaluate: Callable[[int, Any, dict[str, Any]], dict[str, dict[str, Any]]],
@@ -542,7 +545,7 @@ def run_updates(
 # The recipe
 
 
-def run(run: Any) -> dict[str, Any]:
+def run(run: Run) -> dict[str, Any]:
     """GRPO (or DAPO) from the BC warm start; returns the evaluation table and per-update statistics."""
     cfg, g = run.cfg, run.cfg.grpo
     # 0. Warm start: π_0 = π_ref = BC.

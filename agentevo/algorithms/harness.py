@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentevo.algorithms.rsd import eval_splits, prepare_base, round_tasks, sampling_actor
 from agentevo.algorithms.rsd_context import ContextRule, evaluate_with_context, lesson_inputs, pre_action_context_fn
@@ -18,8 +18,11 @@ from agentevo.algorithms.writers import make_writer
 from agentevo.eval.metrics import summarize
 from agentevo.rollout.engine import EpisodeRequest
 
+if TYPE_CHECKING:
+    from agentevo.run import Run
 
-def run(run: Any) -> dict[str, Any]:
+
+def run(run: Run) -> dict[str, Any]:
     """Harness@Inf end to end; returns the evaluation table."""
     cfg, rsd = run.cfg, run.cfg.rsd
     base, results = prepare_base(run)

@@ -25,7 +25,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -57,8 +57,11 @@ from agentevo.models.policy import with_lora
 from agentevo.rollout.engine import EpisodeRequest, PolicyActor
 from agentevo.train.finetune import finetune
 
+if TYPE_CHECKING:
+    from agentevo.run import Run
 
-def run(run: Any) -> dict[str, Any]:
+
+def run(run: Run) -> dict[str, Any]:
     """The Q-Evolve recipe end to end; returns every phase's result (evaluation tables under eval/...)."""
     results = warm_start(run)  # step 0: expert demos -> pi_BC (checkpoints/bc)
     for r in range(1, run.cfg.qevolve.n_iters + 1):
@@ -67,7 +70,7 @@ def run(run: Any) -> dict[str, Any]:
     return results
 
 
-def evolve_round(run: Any, r: int) -> dict[str, Any]:
+def evolve_round(run: Run, r: int) -> dict[str, Any]:
     """One evolving iteration (steps 1-6), each step a resumable phase."""
     cache: dict[str, Any] = {}  # models built in this process, reused by the next phase of the round
     out: dict[str, Any] = {}
@@ -101,7 +104,7 @@ def _lora_config(model: Any, cfg: Any) -> Any:
                       target_modules=[m for m in lora.target_modules if m in present], task_type="CAUSAL_LM")
 
 
-def load_round_policy(run: Any, r: int) -> TransformersPolicy:
+def load_round_policy(run: Run, r: int) -> TransformersPolicy:
     """pi_r. With LoRA: the BC model as a frozen base plus the policy adapter "default" (fresh for pi_0)."""
     cfg = run.cfg
     name = policy_name(cfg.qevolve, r)
@@ -117,7 +120,7 @@ def load_round_policy(run: Any, r: int) -> TransformersPolicy:
     return policy
 
 
-def acting_policy(run: Any, r: int) -> Any:
+def acting_policy(run: Run, r: int) -> Any:
     """pi_r for collection and evaluation on model.backend. With LoRA, pi_r is an adapter on pi_BC: served by vLLM
     on the BC weights when model.vllm.enable_lora, else acted by transformers (an HTTP server cannot take it)."""
     cfg = run.cfg
@@ -133,7 +136,7 @@ def acting_policy(run: Any, r: int) -> Any:
 # Step 1: hybrid data
 
 
-def collect_self(run: Any, r: int) -> dict[str, Any]:
+def collect_self(run: Run, r: int) -> dict[str, Any]:
     """Roll pi_{r-1} at the collection temperature, n_self_per_task times per training task, into round-r/self."""
     cfg, q = run.cfg, run.cfg.qevolve
     if r == 1 and q.round1_data_from:
@@ -155,7 +158,7 @@ ROUND1_DATA_KEYS = ("seed", "env", "model", "agent", "bc", "rollout.top_p", "qev
                     "qevolve.collect_temperature")
 
 
-def import_round1_data(run: Any, source: Path) -> dict[str, Any]:
+def import_round1_data(run: Run, source: Path) -> dict[str, Any]:
     """Copy round-1/self from a run that collected it with the same seed, pi_BC and collection settings."""
     import yaml
 
@@ -193,7 +196,7 @@ class Dataset:
         return [int(t.meta["store_id"]) for t in self.trajs]
 
 
-def hybrid_dataset(run: Any, r: int) -> Dataset:
+def hybrid_dataset(run: Run, r: int) -> Dataset:
     """D_expert plus this round's self data (refresh) or every round's so far (accumulate)."""
     q = run.cfg.qevolve
     rounds = [r] if q.buffer == "refresh" else list(range(1, r + 1))
@@ -235,7 +238,7 @@ def step_labels(traj: Trajectory, q: QEvolveConfig) -> StepLabels:
     return StepLabels(r_env, r_aux, done, w, d)
 
 
-def data_stats(run: Any, r: int, data: Dataset) -> dict[str, Any]:
+def data_stats(run: Run, r: int, data: Dataset) -> dict[str, Any]:
     """Step 2 bookkeeping: what D holds, aux-label fractions, env steps consumed so far (logged as data/...)."""
     q = run.cfg.qevolve
     expert = [t for t in data.trajs if t.source == "expert"]
@@ -271,7 +274,7 @@ def data_stats(run: Any, r: int, data: Dataset) -> dict[str, Any]:
 # Step 3: the weighted-IQL critic
 
 
-def critic_items(run: Any, policy: TransformersPolicy, data: Dataset) -> list[CriticItem]:
+def critic_items(run: Run, policy: TransformersPolicy, data: Dataset) -> list[CriticItem]:
     """One CriticItem per trajectory of D: its rows (full-trajectory render), r_t, done_t, w_t."""
     cfg, q = run.cfg, run.cfg.qevolve
     ensure_reply_ids(policy, data.trajs)
@@ -291,7 +294,7 @@ def is_holdout(task_id: str, fraction: float, seed: int) -> bool:
     return h / 0xFFFFFFFF < fraction
 
 
-def build_critic(run: Any, r: int, policy: TransformersPolicy, init: str | None = None) -> Critic:
+def build_critic(run: Run, r: int, policy: TransformersPolicy, init: str | None = None) -> Critic:
     """The round-r critic before fitting: backbone from pi_{r-1} (policy), pi_BC (bc) or the last critic."""
     cfg, q = run.cfg, run.cfg.qevolve
     init = init or q.critic_init
@@ -315,7 +318,7 @@ def build_critic(run: Any, r: int, policy: TransformersPolicy, init: str | None 
     return critic
 
 
-def load_round_critic(run: Any, r: int) -> tuple[Critic, TransformersPolicy]:
+def load_round_critic(run: Run, r: int) -> tuple[Critic, TransformersPolicy]:
     """The fitted round-r critic (and pi_{r-1}, whose renderer and, with LoRA, base model it uses)."""
     cfg, q = run.cfg, run.cfg.qevolve
     policy = load_round_policy(run, r - 1)
@@ -330,7 +333,7 @@ def load_round_critic(run: Any, r: int) -> tuple[Critic, TransformersPolicy]:
     return critic, policy
 
 
-def train_critic(run: Any, r: int, data: Dataset, cache: dict[str, Any]) -> dict[str, Any]:
+def train_critic(run: Run, r: int, data: Dataset, cache: dict[str, Any]) -> dict[str, Any]:
     """Fit V, Q1, Q2 by weighted IQL on D minus the held-out tasks; calibration on the held-out ones."""
     cfg, q = run.cfg, run.cfg.qevolve
     policy = load_round_policy(run, r - 1)
@@ -450,11 +453,11 @@ def dataset_advantages(
     return raw, [x.tolist() for x in torch.split(normed, [len(a) for a in raw])]
 
 
-def labels_path(run: Any, r: int) -> Any:
+def labels_path(run: Run, r: int) -> Any:
     return run.dir / "labels" / f"round-{r}.json"
 
 
-def compute_advantages(run: Any, r: int, data: Dataset, cache: dict[str, Any]) -> dict[str, Any]:
+def compute_advantages(run: Run, r: int, data: Dataset, cache: dict[str, Any]) -> dict[str, Any]:
     """V/Q for every trajectory of D (one pass each), A_t per step, normalised over D; saved to labels/round-r.json."""
     q = run.cfg.qevolve
     if "critic" in cache:
@@ -615,7 +618,7 @@ def policy_loss(q: QEvolveConfig) -> Callable[[Any, dict[str, Any]], tuple[torch
     return loss_fn
 
 
-def improve_policy(run: Any, r: int, data: Dataset) -> dict[str, Any]:
+def improve_policy(run: Run, r: int, data: Dataset) -> dict[str, Any]:
     """pi_r from pi_{r-1} on D with the round's advantages; old log-probs under pi_{r-1}, reference pi_BC."""
     cfg, q = run.cfg, run.cfg.qevolve
     if q.pi == "none":
@@ -693,12 +696,12 @@ class RerankActor:
         return [cands[i * self.n + b] for i, b in enumerate(best)]
 
 
-def evaluate_actor(run: Any, actor: Any, label: str) -> dict[str, dict[str, Any]]:
+def evaluate_actor(run: Run, actor: Any, label: str) -> dict[str, dict[str, Any]]:
     """run.evaluate for any actor: greedy splits, stored as eval/LABEL/SPLIT, metrics per split."""
     return run.evaluate_actor(actor, label)
 
 
-def evaluate_round(run: Any, r: int) -> dict[str, dict[str, Any]]:
+def evaluate_round(run: Run, r: int) -> dict[str, dict[str, Any]]:
     """Greedy evaluation of pi_r (or, with pi=none, pi_BC with the round-r critic reranking candidates)."""
     cfg, q = run.cfg, run.cfg.qevolve
     if q.pi != "none":
@@ -710,7 +713,7 @@ def evaluate_round(run: Any, r: int) -> dict[str, dict[str, Any]]:
     return evaluate_actor(run, actor, f"round-{r}")
 
 
-def plot_rounds(run: Any) -> list[str]:
+def plot_rounds(run: Run) -> list[str]:
     """plots/qevolve_rounds.png: success per round against cumulative env steps."""
     import matplotlib
 

@@ -28,7 +28,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,6 +44,9 @@ from agentevo.models import placement
 from agentevo.models.backend import Generation, Sampling, TransformersPolicy
 from agentevo.rollout.engine import Episode, EpisodeRequest, PolicyActor
 from agentevo.train.loop import train
+
+if TYPE_CHECKING:
+    from agentevo.run import Run
 
 # -- 1. exploration trees ------------------------------------------------------------------------
 
@@ -218,7 +221,7 @@ def tree_task_indices(n_experts: int, n: int | None, pick: str) -> list[int]:
     return [k * n_experts // n for k in range(n)]
 
 
-def build_trees(run: Any, policy: TransformersPolicy) -> tuple[list[Tree], dict[str, Any]]:
+def build_trees(run: Run, policy: TransformersPolicy) -> tuple[list[Tree], dict[str, Any]]:
     """Grow the exploration trees wave by wave (each wave resumable) and return them with step counts."""
     cfg, q = run.cfg, run.cfg.qlass
     window = cfg.agent.history_window
@@ -568,7 +571,7 @@ def q_guided_episodes(
     return [results[id(r)] for r in requests if id(r) in results]
 
 
-def q_guided_evaluate(run: Any, policy: TransformersPolicy, qnet: QNet, label: str) -> dict[str, dict[str, Any]]:
+def q_guided_evaluate(run: Run, policy: TransformersPolicy, qnet: QNet, label: str) -> dict[str, dict[str, Any]]:
     """Q-guided evaluation on the configured splits (stored as eval/<label>/<split>), with env-step counts."""
     cfg, q = run.cfg, run.cfg.qlass
     out = {}
@@ -606,7 +609,7 @@ def q_guided_evaluate(run: Any, policy: TransformersPolicy, qnet: QNet, label: s
 # -- the recipe ----------------------------------------------------------------------------------
 
 
-def run(run: Any) -> dict[str, Any]:
+def run(run: Run) -> dict[str, Any]:
     """QLASS end to end: BC warm start, exploration trees, QNet, Q-guided evaluation."""
     cfg, q = run.cfg, run.cfg.qlass
     results = warm_start(run)

@@ -8,7 +8,7 @@ attempt succeeds [S count; protocol O following Reflexion]. Attempts are greedy,
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentevo.algorithms.rsd import prepare_base
 from agentevo.algorithms.writers import make_writer
@@ -16,6 +16,9 @@ from agentevo.data.types import Trajectory
 from agentevo.eval.metrics import summarize
 from agentevo.models.backend import Sampling
 from agentevo.rollout.engine import EpisodeRequest, PolicyActor
+
+if TYPE_CHECKING:
+    from agentevo.run import Run
 
 MAX_REFLECTIONS = 3
 
@@ -28,7 +31,7 @@ def reflexion_prefix(reflections: list[str]) -> str:
     return "Reflections on your earlier attempts at this task (most recent first):\n" + "\n".join(lines) + "\n"
 
 
-def reflexion_split(run: Any, policy: Any, writer: Any, split: str) -> dict[str, Any]:
+def reflexion_split(run: Run, policy: Any, writer: Any, split: str) -> dict[str, Any]:
     """Up to rsd.reflexion_attempts attempts per task of a split; metrics of the final attempt per task."""
     cfg = run.cfg
     tasks = run.tasks(split, cfg.eval.n_tasks)
@@ -57,7 +60,7 @@ def reflexion_split(run: Any, policy: Any, writer: Any, split: str) -> dict[str,
     return metrics
 
 
-def run(run: Any) -> dict[str, Any]:
+def run(run: Run) -> dict[str, Any]:
     """Reflexion end to end on the evaluation splits; returns the evaluation table."""
     base, results = prepare_base(run)
 

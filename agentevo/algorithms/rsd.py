@@ -27,7 +27,7 @@ import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -69,6 +69,9 @@ from agentevo.eval.metrics import auc, summarize
 from agentevo.models.backend import Sampling
 from agentevo.rollout.engine import EpisodeRequest, PolicyActor
 from agentevo.train.finetune import finetune
+
+if TYPE_CHECKING:
+    from agentevo.run import Run
 
 # token_labels are float32: indices into the teacher cache are exact below 2**24.
 _MAX_CACHE_TOKENS = 2**24
@@ -369,7 +372,7 @@ def _round_of(traj: Trajectory) -> int:
     return int(str(traj.meta.get("collection", "round-0/")).split("/")[0].split("-")[1])
 
 
-def load_bank(run: Any, up_to: int) -> list[Trajectory]:
+def load_bank(run: Run, up_to: int) -> list[Trajectory]:
     """B: every acted trajectory of rounds 1..up_to."""
     return [t for t in run.store.load(prefix="round-") if t.meta.get("collection", "").endswith("/act")
             and _round_of(t) <= up_to]
@@ -383,12 +386,12 @@ def _token_counter(tokenizer: Any) -> Callable[[str], int]:
 # The base: BC warm start, and for tiny models a context-aware warm start (methods-spec §7 item 9)
 
 
-def round_tasks(run: Any, r: int) -> list[Task]:
+def round_tasks(run: Run, r: int) -> list[Task]:
     """The training tasks RSD's round r plays (baselines play round 1's, so they spend rollouts on the same tasks)."""
     return sample_tasks(list(run.tasks("train")), run.cfg.rsd.tasks_per_round, random.Random(run.cfg.seed * 1000 + r))
 
 
-def sampling_actor(run: Any, checkpoint: str, seed: int) -> PolicyActor:
+def sampling_actor(run: Run, checkpoint: str, seed: int) -> PolicyActor:
     """The checkpoint acting at RSD's rollout temperature (on model.backend)."""
     cfg = run.cfg
     sampling = Sampling(cfg.rsd.rollout_temperature, cfg.rollout.top_p, cfg.agent.max_new_tokens, seed=seed)
@@ -411,14 +414,14 @@ def source_has_ctx_base(source: Path) -> bool:
     return state_path.exists() and "ctx-bc" in json.loads(state_path.read_text())
 
 
-def import_ctx_warm_start(run: Any, source: Path) -> dict[str, Any]:
+def import_ctx_warm_start(run: Run, source: Path) -> dict[str, Any]:
     """bc.warm_start_from for the RSD table: a run that finished the context-aware warm start gives its demos, BC
     and ctx-bc (so every arm and seed of a study starts from one base)."""
     return import_warm_start(run, source, "expert", CTX_WARM_START_PHASES, {"rsd": CTX_WARM_START_KEYS},
                              checkpoints=("init", "bc", "ctx-bc"))
 
 
-def collect_detour_demos(run: Any) -> dict[str, Any]:
+def collect_detour_demos(run: Run) -> dict[str, Any]:
     """The gold plans replayed with scripted wasted steps (Self-Guide's demo detours, without guide lines)."""
     cfg = run.cfg
     actor = GuidedExpertActor(cfg.agent.thoughts, cfg.rsd.ctx_warm_detour_prob, cfg.seed, with_guide=False,
@@ -443,7 +446,7 @@ def detour_rows(renderer: Any, twin: Trajectory, index: int, window: int, max_le
     return rows
 
 
-def prepare_base(run: Any) -> tuple[str, dict[str, Any]]:
+def prepare_base(run: Run) -> tuple[str, dict[str, Any]]:
     """warm_start (expert demos -> BC); with rsd.ctx_warm_start, a further pass on plain + context demos.
 
     Returns the base checkpoint's name ('bc' or 'ctx-bc') and the phase results. Every RSD-table recipe starts
@@ -463,7 +466,7 @@ def prepare_base(run: Any) -> tuple[str, dict[str, Any]]:
     return "ctx-bc", results
 
 
-def context_warm_start(run: Any, start: str, name: str) -> dict[str, Any]:
+def context_warm_start(run: Run, start: str, name: str) -> dict[str, Any]:
     """BC on every demo plainly plus, for a fraction of demos, a few steps carrying a privileged context built with
     the same rule and rendering the teacher will use: precedents (the demo's own task as a solved earlier attempt
     with probability ctx_warm_same_task, else the most similar other demos), rule-written lessons and reflection,
@@ -529,7 +532,7 @@ def context_warm_start(run: Any, start: str, name: str) -> dict[str, Any]:
 # The rounds
 
 
-def run(run: Any) -> dict[str, Any]:
+def run(run: Run) -> dict[str, Any]:
     """RSD end to end: base, R rounds, internalisation; returns the evaluation table and per-round records."""
     base, results = prepare_base(run)
     return {**results, **rsd_rounds(run, base)}
@@ -540,7 +543,7 @@ def gold_context(gold: Trajectory, fmt: str) -> str:
     return "Privileged notes:\nGold trajectory for this task: " + render_precedent(gold, 1, fmt).split(": ", 1)[-1]
 
 
-def rsd_rounds(run: Any, base: str, label: str = "rsd", gold: dict[str, Trajectory] | None = None) -> dict[str, Any]:
+def rsd_rounds(run: Run, base: str, label: str = "rsd", gold: dict[str, Trajectory] | None = None) -> dict[str, Any]:
     """R rounds of act -> context -> teacher top-k -> forward-KL update -> eval -> schedule -> rule search.
 
     With `gold` (task id -> gold trajectory) the teacher reads the gold trajectory instead of the retrospective
@@ -635,7 +638,7 @@ def rsd_rounds(run: Any, base: str, label: str = "rsd", gold: dict[str, Trajecto
     return results
 
 
-def _build_context(run: Any, r: int, student: str, trajs: list[Trajectory], rule: ContextRule,
+def _build_context(run: Run, r: int, student: str, trajs: list[Trajectory], rule: ContextRule,
                    work: Path) -> dict[str, Any]:
     """Phase round-r/context: material.json (lessons, reflections, precedent ids) and its statistics."""
     cfg, rsd = run.cfg, run.cfg.rsd
@@ -659,7 +662,7 @@ def _build_context(run: Any, r: int, student: str, trajs: list[Trajectory], rule
             "with_precedent": sum(bool(v) for v in material.precedents.values()) / n, "top_is_same_task": same / n}
 
 
-def _round_contexts(run: Any, r: int, trajs: list[Trajectory], rule: ContextRule, work: Path, tokenizer: Any,
+def _round_contexts(run: Run, r: int, trajs: list[Trajectory], rule: ContextRule, work: Path, tokenizer: Any,
                     gold: dict[str, Trajectory] | None) -> tuple[list[list[str]], dict[str, float]]:
     """C_t for every step of every episode, clipped to ctx_max_tokens, and the mean size of each component."""
     rsd = run.cfg.rsd
@@ -685,7 +688,7 @@ def _round_contexts(run: Any, r: int, trajs: list[Trajectory], rule: ContextRule
     return out, {f"ctx_tokens_{k}": v / max(1, n_steps) for k, v in totals.items()}
 
 
-def _score_round(run: Any, r: int, trajs: list[Trajectory], rule: ContextRule, teacher_ckpt: str, student: str,
+def _score_round(run: Run, r: int, trajs: list[Trajectory], rule: ContextRule, teacher_ckpt: str, student: str,
                  work: Path, gold: dict[str, Trajectory] | None) -> dict[str, Any]:
     """Phase round-r/teacher: teacher top-k per reply token (no grad) -> work/teacher_topk.pt, plus diagnostics."""
     cfg, rsd = run.cfg, run.cfg.rsd
@@ -717,7 +720,7 @@ def _score_round(run: Any, r: int, trajs: list[Trajectory], rule: ContextRule, t
     }
 
 
-def _update_round(run: Any, r: int, trajs: list[Trajectory], student: str, work: Path) -> dict[str, Any]:
+def _update_round(run: Run, r: int, trajs: list[Trajectory], student: str, work: Path) -> dict[str, Any]:
     """Phase round-r/update: one epoch of the distillation loss; saves checkpoints/round-r; Δlog p diagnostics."""
     cfg, rsd = run.cfg, run.cfg.rsd
     cache = TeacherCache.load(work / "teacher_topk.pt")
@@ -814,14 +817,14 @@ def check_premise(values: dict[str, Any], stop: bool) -> None:
             "fix the context (rsd.ctx_*, rsd.ctx_warm_start) or set rsd.premise_stop=false to distil anyway")
 
 
-def _write_ema_teacher(run: Any, teacher_ckpt: str, student_ckpt: str, out: str, decay: float) -> None:
+def _write_ema_teacher(run: Run, teacher_ckpt: str, student_ckpt: str, out: str, decay: float) -> None:
     """teacher <- decay * teacher + (1 - decay) * student, saved as checkpoints/<out>."""
     teacher, student = run.load_policy(teacher_ckpt, out), run.load_policy(student_ckpt)
     losses.polyak_update(teacher.model.parameters(), student.model.parameters(), 1.0 - decay)
     teacher.save(run.checkpoint_dir(out))
 
 
-def _rule_step(run: Any, r: int, state: dict[str, Any], metric: float, label: str, enabled: bool) -> dict[str, Any]:
+def _rule_step(run: Run, r: int, state: dict[str, Any], metric: float, label: str, enabled: bool) -> dict[str, Any]:
     """Accept or revert the rule the round used (success >= best - 0.5 pt), then propose and probe the next one."""
     rsd = run.cfg.rsd
     history = [*state["history"], {"round": r, "rule": state["current"], "success": metric}]
@@ -858,7 +861,7 @@ def _rule_step(run: Any, r: int, state: dict[str, Any], metric: float, label: st
     return out
 
 
-def _with_context_evals(run: Any, base: str, student: str, rule_state: dict[str, Any], splits: list[str],
+def _with_context_evals(run: Run, base: str, student: str, rule_state: dict[str, Any], splits: list[str],
                         label: str) -> dict[str, Any]:
     """eval/base+ctx (internalisation) and, with --infer_ctx, eval/final+ctx ('context added back')."""
     rsd = run.cfg.rsd

@@ -9,7 +9,7 @@ Both start from the same base as RSD (rsd.prepare_base), so the numbers compare.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentevo.algorithms.bc import expert_samples, nll_loss
 from agentevo.algorithms.rsd import prepare_base, rsd_rounds
@@ -17,6 +17,9 @@ from agentevo.data.types import Trajectory
 from agentevo.eval.metrics import summarize
 from agentevo.rollout.engine import EpisodeRequest, ExpertActor
 from agentevo.train.finetune import finetune
+
+if TYPE_CHECKING:
+    from agentevo.run import Run
 
 
 class _TextOnly:
@@ -26,7 +29,7 @@ class _TextOnly:
         return []
 
 
-def collect_gold(run: Any) -> dict[str, Trajectory]:
+def collect_gold(run: Run) -> dict[str, Trajectory]:
     """The environment's gold trajectory for every training task (collection 'gold'), completed ones only."""
     tasks = run.tasks("train")
     trajs = run.collect(ExpertActor(_TextOnly(), run.cfg.agent.thoughts),
@@ -34,7 +37,7 @@ def collect_gold(run: Any) -> dict[str, Trajectory]:
     return {t.task.task_id: t for t in trajs if t.success}
 
 
-def run_gt_sft(run: Any) -> dict[str, Any]:
+def run_gt_sft(run: Run) -> dict[str, Any]:
     """GT-SFT: base -> NLL on gold trajectories -> checkpoints/gt-sft -> eval."""
     cfg = run.cfg
     base, results = prepare_base(run)
@@ -53,7 +56,7 @@ def run_gt_sft(run: Any) -> dict[str, Any]:
     return results
 
 
-def run_gt_opsd(run: Any) -> dict[str, Any]:
+def run_gt_opsd(run: Run) -> dict[str, Any]:
     """GT-OPSD: RSD's rounds with the gold trajectory as the teacher's privileged context (no rule search)."""
     base, results = prepare_base(run)
     results["gold"] = run.phase("gold", lambda: summarize(list(collect_gold(run).values())))

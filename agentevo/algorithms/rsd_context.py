@@ -19,7 +19,7 @@ import random
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentevo.agent.chat import Message
 from agentevo.agent.prompt import HistoryTurn, build_messages
@@ -31,6 +31,9 @@ from agentevo.data.types import Trajectory
 from agentevo.errors import ConfigError
 from agentevo.models.backend import Sampling
 from agentevo.rollout.engine import Episode, EpisodeRequest, PolicyActor
+
+if TYPE_CHECKING:
+    from agentevo.run import Run
 
 # -- the rule and its whitelist (§4.5) ---------------------------------------------------------------------------
 
@@ -481,7 +484,7 @@ class ContextActor(PolicyActor):
         return self.policy.renderer.render(messages, add_generation_prompt=True).ids
 
 
-def evaluate_with_context(run: Any, policy: Any, label: str, splits: Sequence[str], ctx_fn: Callable[[Episode], str],
+def evaluate_with_context(run: Run, policy: Any, label: str, splits: Sequence[str], ctx_fn: Callable[[Episode], str],
                           position: str) -> dict[str, dict[str, Any]]:
     """Greedy evaluation with a context in the prompt (collections eval/LABEL/SPLIT), like Run.evaluate."""
     actor = ContextActor(policy, run.signal_env.instruction(), run.cfg.agent.history_window,
@@ -504,7 +507,7 @@ def pre_action_context_fn(bank: Sequence[Trajectory], lessons: dict[str, str], r
     return ctx
 
 
-def probe_rule(run: Any, policy: Any, rule: ContextRule, earlier: Sequence[Trajectory], bank: Sequence[Trajectory],
+def probe_rule(run: Run, policy: Any, rule: ContextRule, earlier: Sequence[Trajectory], bank: Sequence[Trajectory],
                material: Material, label: str) -> float:
     """Training-free probe [S; reading I]: greedy success on training tasks that have an earlier attempt in B, the
     candidate rule's context (built from that attempt and the bank) in the prompt."""

@@ -38,7 +38,7 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -81,6 +81,9 @@ from agentevo.models.backend import Generation, Sampling
 from agentevo.models.policy import initial_policy, tokenizer_corpus
 from agentevo.rollout.engine import Episode, EpisodeRequest, PolicyActor
 from agentevo.train.finetune import finetune
+
+if TYPE_CHECKING:
+    from agentevo.run import Run
 
 VERDICTS = {"good": 1, "neutral": 0, "bad": -1}
 VERDICT_WORDS = {v: k for k, v in VERDICTS.items()}
@@ -293,7 +296,7 @@ def agreement_stats(trajs: Sequence[Trajectory], position: str) -> dict[str, Any
     return {} if frac is None else {"guide_agreement": frac, "guide_steps": n}
 
 
-def premise_diagnostics(run: Any, label: str, evals: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def premise_diagnostics(run: Run, label: str, evals: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Before RL: the guided warm start's greedy success and guide/action agreement (logged as diag/selfguide, 0).
 
     The unguided success comes from a selfguide.guide=none run; within one run it is not measured."""
@@ -402,7 +405,7 @@ def demo_keeps(sg: SelfGuideConfig) -> list[int | None]:
 GUIDE_WARM_START_PHASES = ("expert-guided", *WARM_START_PHASES[1:])  # the guided demos, then BC's phases
 
 
-def import_guide_warm_start(run: Any, source: Path) -> dict[str, Any]:
+def import_guide_warm_start(run: Run, source: Path) -> dict[str, Any]:
     """bc.warm_start_from for Self-Guide: a finished selfguide run's guided demos and guide-BC (so the arms and seeds
     of a study share one warm start). Its guide switch (none vs. with guides) and the settings that shape the demos
     and prompts must equal this run's."""
@@ -421,7 +424,7 @@ def import_guide_warm_start(run: Any, source: Path) -> dict[str, Any]:
     return import_warm_start(run, source, "expert-guided", GUIDE_WARM_START_PHASES, {"selfguide": keys})
 
 
-def guide_warm_start(run: Any) -> dict[str, Any]:
+def guide_warm_start(run: Run) -> dict[str, Any]:
     """Guided demos -> initial policy (checkpoints/init) -> eval -> guide-BC on expert steps (checkpoints/bc) -> eval."""
     cfg, sg = run.cfg, run.cfg.selfguide
     with_guide = sg.guide != "none"
@@ -470,7 +473,7 @@ def guide_warm_start(run: Any) -> dict[str, Any]:
     return results
 
 
-def evaluate_guided(run: Any, policy: Any, label: str, keep: int | None, pool: Any = None,
+def evaluate_guided(run: Run, policy: Any, label: str, keep: int | None, pool: Any = None,
                     extra: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     """Greedy evaluation with the guided actor (its guides steer its actions) at a given history retention."""
     cfg, sg = run.cfg, run.cfg.selfguide
@@ -495,7 +498,7 @@ def evaluate_guided(run: Any, policy: Any, label: str, keep: int | None, pool: A
 # The recipe
 
 
-def run(run: Any) -> dict[str, Any]:
+def run(run: Run) -> dict[str, Any]:
     """Self-Guide + GRPO (or its switches and ablations); returns evaluations and per-update statistics."""
     cfg, g, sg = run.cfg, run.cfg.grpo, run.cfg.selfguide
     with_guide = sg.guide != "none"

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentevo.eval.diagnostics import render_section
 from agentevo.eval.metrics import eval_collection
+
+if TYPE_CHECKING:
+    from agentevo.run import Run
 
 
 def _eval_rows(state: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
@@ -96,7 +99,7 @@ def format_value(value: Any, max_items: int = 12, nested: bool = False) -> str:
     return str(value)
 
 
-def write_report(run: Any) -> Path:
+def write_report(run: Run) -> Path:
     """Write report.md (and plots/*.png) from state.json and metrics.jsonl; returns its path."""
     plots = run.dir / "plots"
     plots.mkdir(exist_ok=True)

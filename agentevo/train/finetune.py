@@ -9,7 +9,7 @@ optimiser step's micro-batches across the ranks, and exactly one complete save_p
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentevo import dist
 from agentevo.config import OptimConfig
@@ -17,9 +17,12 @@ from agentevo.models import placement
 from agentevo.models.policy import with_lora
 from agentevo.train.loop import LossFn, train
 
+if TYPE_CHECKING:
+    from agentevo.run import Run
+
 
 def finetune(
-    run: Any,
+    run: Run,
     policy: Any,
     samples: list[Any],
     loss_fn: LossFn,
