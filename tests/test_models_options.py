@@ -42,12 +42,6 @@ def _samples(policy, n: int):  # noqa: ANN001, ANN202
     return out
 
 
-@pytest.fixture(autouse=True)
-def _reset_placement():  # noqa: ANN202
-    yield
-    placement.configure("auto", "float32")
-
-
 # -- bf16 detection --------------------------------------------------------------------------------------------
 
 

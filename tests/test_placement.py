@@ -11,12 +11,6 @@ from agentevo.models import placement
 from agentevo.models.backend import DamagedCheckpointError, load_pretrained
 
 
-@pytest.fixture(autouse=True)
-def _reset_placement():  # noqa: ANN202
-    yield
-    placement.configure("auto", "float32")
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only resolution")
 def test_auto_is_the_cpu_without_a_gpu_and_cuda_is_refused() -> None:
     assert placement.resolve_device("auto") == torch.device("cpu")
@@ -105,8 +99,7 @@ def test_scoring_forwards_run_in_the_precision_of_the_loss(tiny_policy, monkeypa
             fp32, _ = reply_logprobs(tiny_policy.model, batch)
         list(reply_logits(tiny_policy.model, [sample], tiny_policy.pad_id, 1))
     finally:
-        hook.remove()
-        placement.configure("auto", "float32")
+        hook.remove()  # placement is restored by conftest's _process_settings_restored
     assert seen == [torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.float32, torch.float32]
     assert torch.equal(auto, want) and not torch.equal(auto, fp32)
     assert torch.allclose(auto, fp32, atol=0.1)  # bf16 rounding of the same function

@@ -466,7 +466,8 @@ def compute_advantages(run: Run, r: int, data: Dataset, cache: dict[str, Any]) -
         critic, policy = load_round_critic(run, r)
     items = critic_items(run, policy, data)
     values = cache.get("values") or critic_values(critic, items, policy.pad_id)
-    raw, final = dataset_advantages(q, [step_labels(t, q) for t in data.trajs], values)
+    labels = [step_labels(t, q) for t in data.trajs]
+    raw, final = dataset_advantages(q, labels, values)
     flat = torch.tensor([a for adv in raw for a in adv])
     path = labels_path(run, r)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -478,7 +479,7 @@ def compute_advantages(run: Run, r: int, data: Dataset, cache: dict[str, Any]) -
     run.logger.log(f"round-{r}/advantages", 0, stats)
     is_flagged = [s.signal != SIGNAL_NONE for t in data.trajs for s in t.steps]
     flagged = diagnostics.flagged_advantage([a for adv in final for a in adv], is_flagged)
-    flagged.update(flagged_gap_alternatives(q, data, values, is_flagged))
+    flagged.update(flagged_gap_alternatives(q, labels, values, is_flagged))
     run.logger.log("diag/qevolve", r, flagged)  # merged with the critic's record of this round in the report
     return {**stats, "diag": flagged}
 
@@ -489,11 +490,10 @@ PR_ALTERNATIVES = (("gae", 0.5), ("gae", 0.0), ("gae_aux", None))
 GAP_IF = diagnostics.FLAGGED_GAP_IF
 
 
-def flagged_gap_alternatives(q: QEvolveConfig, data: Dataset, values: list[dict[str, list[float]]],
+def flagged_gap_alternatives(q: QEvolveConfig, labels: list[StepLabels], values: list[dict[str, list[float]]],
                              is_flagged: list[bool]) -> dict[str, float | None]:
     """Normalised advantage of rule-flagged steps minus the others' under other process rewards (PR_ALTERNATIVES;
     None = this run's lam), keyed 'flagged_gap_if_<pr>_lam<lam>' (flat scalars, so trackers plot them too)."""
-    labels = [step_labels(t, q) for t in data.trajs]
     out: dict[str, float | None] = {}
     for pr, lam in PR_ALTERNATIVES:
         lam = q.lam if lam is None else lam
@@ -502,8 +502,7 @@ def flagged_gap_alternatives(q: QEvolveConfig, data: Dataset, values: list[dict[
         alt = dataclasses.replace(q, pr=pr, lam=lam)
         _, final = dataset_advantages(alt, labels, values)
         d = diagnostics.flagged_advantage([a for adv in final for a in adv], is_flagged)
-        gap = None if d["flagged_adv"] is None or d["unflagged_adv"] is None else d["flagged_adv"] - d["unflagged_adv"]
-        out[f"{GAP_IF}{pr}_lam{lam:g}"] = gap
+        out[f"{GAP_IF}{pr}_lam{lam:g}"] = diagnostics.flagged_gap(d)
     return out
 
 

@@ -62,7 +62,7 @@ from agentevo.algorithms.rsd_context import (
 from agentevo.algorithms.selfguide import GuidedExpertActor
 from agentevo.algorithms.writers import RuleWriter, http_client_from_config, make_writer
 from agentevo.data.tensors import StepSample, collate, trajectory_samples
-from agentevo.data.types import Trajectory
+from agentevo.data.types import Step, Trajectory
 from agentevo.envs.base import SIGNAL_NONE, Task
 from agentevo.errors import AgentevoError
 from agentevo.eval.metrics import auc, summarize
@@ -750,19 +750,25 @@ def delta_logp(cache: TeacherCache, after: torch.Tensor) -> dict[str, float]:
             "disfavoured_steps": len(dis), "favoured_steps": len(fav)}
 
 
+def step_gaps(cache: TeacherCache, trajs: Sequence[Trajectory]) -> Iterator[tuple[Trajectory, Step, float]]:
+    """Per step with reply tokens: (trajectory, step, log p_T(a_t) - log pi_r(a_t)), sums over the reply's tokens."""
+    for i, traj in enumerate(trajs):
+        for s in traj.steps:
+            start, n = cache.offsets[(i, s.t)]
+            if n:
+                sl = slice(start, start + n)
+                yield traj, s, float(cache.teacher_token_logp[sl].sum() - cache.student_token_logp[sl].sum())
+
+
 def flagged_step_auc(cache: TeacherCache, trajs: Sequence[Trajectory]) -> dict[str, float | int | None]:
     """Does the teacher's re-scoring flag the student's mistakes? Per step, the teacher's disfavour
     log pi_r(a_t) - log p_T(a_t) (sums over the reply's tokens); the AUC of it for the steps the environment flagged
     (invalid, repeated or malformed actions) against the others: 0.5 = blind to them, 1 = disfavours every flagged
     step more than any other."""
     disfavour, flagged = [], []
-    for i, traj in enumerate(trajs):
-        for s in traj.steps:
-            start, n = cache.offsets[(i, s.t)]
-            if n:
-                sl = slice(start, start + n)
-                disfavour.append(float(cache.student_token_logp[sl].sum() - cache.teacher_token_logp[sl].sum()))
-                flagged.append(s.signal != SIGNAL_NONE)
+    for _, step, gap in step_gaps(cache, trajs):
+        disfavour.append(-gap)
+        flagged.append(step.signal != SIGNAL_NONE)
     return {"teacher_auc_flagged": auc(disfavour, flagged), "flagged_steps": sum(flagged)}
 
 
@@ -773,13 +779,8 @@ def outcome_separation(cache: TeacherCache, trajs: Sequence[Trajectory]) -> dict
     right actions and lowers its wrong ones: separation > 0. The mean over all sampled tokens (teacher_token_logp)
     cannot show this: most samples of a weak student are wrong, so a teacher that knows the answer lowers it."""
     gaps: dict[bool, list[float]] = {True: [], False: []}
-    for i, traj in enumerate(trajs):
-        for s in traj.steps:
-            start, n = cache.offsets[(i, s.t)]
-            if n:
-                sl = slice(start, start + n)
-                gaps[bool(traj.success)].append(float(cache.teacher_token_logp[sl].sum()
-                                                      - cache.student_token_logp[sl].sum()))
+    for traj, _, gap in step_gaps(cache, trajs):
+        gaps[bool(traj.success)].append(gap)
     win = sum(gaps[True]) / len(gaps[True]) if gaps[True] else None
     lose = sum(gaps[False]) / len(gaps[False]) if gaps[False] else None
     return {"success_gap": win, "failure_gap": lose,

@@ -181,8 +181,8 @@ def critic_fit(v: dict[str, Any]) -> list[Diagnostic]:
                          grade(v["init_share"], 0.05, 0.5, higher_is_better=False),
                          "raise qevolve.polyak or qevolve.critic_steps",
                          f"{_fmt(v['init_share'])} after {_fmt(v.get('steps'))} steps"))
-    if v.get("flagged_adv") is not None and v.get("unflagged_adv") is not None:
-        gap = v["flagged_adv"] - v["unflagged_adv"]
+    gap = flagged_gap(v)
+    if gap is not None:
         rows.append(_row("advantage of rule-flagged steps (invalid / format / repeat) − of the others", gap,
                          grade(gap, -0.1, 0.0, higher_is_better=False),
                          "the process reward credits steps the rules call mistakes (with a weak V, GAE at lam near 1 "
@@ -206,6 +206,13 @@ def flagged_advantage(advantages: Sequence[float], flagged: Sequence[bool]) -> d
     off = [a for a, f in zip(advantages, flagged, strict=True) if not f]
     return {"flagged_adv": sum(on) / len(on) if on else None, "unflagged_adv": sum(off) / len(off) if off else None,
             "flagged_n": len(on)}
+
+
+def flagged_gap(d: dict[str, Any]) -> float | None:
+    """flagged_adv − unflagged_adv of a flagged_advantage record (None where a side has no step)."""
+    if d.get("flagged_adv") is None or d.get("unflagged_adv") is None:
+        return None
+    return d["flagged_adv"] - d["unflagged_adv"]
 
 
 def policy_update(v: dict[str, Any]) -> list[Diagnostic]:

@@ -450,7 +450,7 @@ def test_round1_data_from_copies_the_collection_and_checks_settings(tmp_path) ->
 def test_flagged_gap_under_other_process_rewards_by_hand() -> None:
     """The diagnostic's what-if rows: the normalised flagged-minus-other advantage gap under lam 0 (TD), from the
     same critic values, checked by hand; the run's own setting is not repeated; the report names passing ones."""
-    from agentevo.algorithms.qevolve import Dataset, flagged_gap_alternatives
+    from agentevo.algorithms.qevolve import flagged_gap_alternatives, step_labels
     from agentevo.eval import diagnostics as dg
 
     a = _traj(None, ["take knife", "eat knife", "eat meal"], signals=["none", "invalid", "none"], final=1.0)
@@ -461,11 +461,12 @@ def test_flagged_gap_under_other_process_rewards_by_hand() -> None:
     # gap of the normalised values = (mean flagged - mean others) / sample std
     #   = (0.144 - (-0.068333)) / sqrt(0.2839272 / 4) = 0.212333 / 0.266424 = 0.79697
     flagged = [False, True, False, True, False]
-    got = flagged_gap_alternatives(QEvolveConfig(), Dataset([a, b]), values, flagged)
+    labels = [step_labels(t, QEvolveConfig()) for t in (a, b)]
+    got = flagged_gap_alternatives(QEvolveConfig(), labels, values, flagged)
     assert set(got) == {"flagged_gap_if_gae_lam0.5", "flagged_gap_if_gae_lam0", "flagged_gap_if_gae_aux_lam0.95"}
     assert got["flagged_gap_if_gae_lam0"] == pytest.approx(0.79697, abs=1e-4)
-    assert "flagged_gap_if_gae_lam0.5" not in flagged_gap_alternatives(QEvolveConfig(lam=0.5), Dataset([a, b]),
-                                                                         values, flagged)
+    assert "flagged_gap_if_gae_lam0.5" not in flagged_gap_alternatives(QEvolveConfig(lam=0.5), labels, values,
+                                                                         flagged)
     (row,) = dg.critic_fit({"flagged_adv": 0.5, "unflagged_adv": 0.0, "flagged_gap_if_gae_lam0.5": -0.3,
                             "flagged_gap_if_gae_lam0": 0.2})
     assert row.verdict == "fail" and row.fix.endswith(
