@@ -150,8 +150,10 @@ def import_warm_start(run: Run, source: Path, collection: str = "expert",
         a = ours.get(section, {})
         b = {**config_to_dict(type(getattr(run.cfg, section))()), **(theirs.get(section) or {})}
         for key in keys or sorted(set(a) | set(b)):
-            if (section, key) == ("env", "n_train") and a.get(key, 0) <= b.get(key, 0):
+            if (section, key) == ("env", "n_train") and _n_tasks(a.get(key)) <= _n_tasks(b.get(key)):
                 continue  # a study may evolve on the first n training tasks of a BC run trained on more
+            if (section, key) == ("env", "n_train") and _demos_pinned(run.cfg.bc.n_expert, b.get(key)):
+                continue  # more training tasks than the BC run's, the demos still its own: new tasks to practise on
             if section == "env" and key in ("n_dev", "n_test"):
                 if a.get(key) != b.get(key):
                     resized.append(f"env.{key} {b.get(key)} -> {a.get(key)}")
@@ -182,6 +184,21 @@ def import_warm_start(run: Run, source: Path, collection: str = "expert",
     if resized:
         out["reevaluated"] = ", ".join(resized)
     return out
+
+
+def _n_tasks(n: int | None) -> float:
+    return float("inf") if n is None else n
+
+
+def _demos_pinned(n_expert: int | None, source_n_train: int | None) -> bool:
+    """Whether this run's demos are exactly the BC run's though it has more training tasks: bc.n_expert must name
+    the BC run's task count (its demos are one per training task), else the larger env.n_train is an error."""
+    if source_n_train is None:
+        return False
+    if n_expert != source_n_train:
+        raise ConfigError(f"bc.warm_start_from: env.n_train is larger than the BC run's {source_n_train}; to practise on "
+                          f"more tasks with its demos, set bc.n_expert={source_n_train} (got {n_expert})")
+    return True
 
 
 def _copy_evaluations(source: ExperienceStore, target: ExperienceStore, phases: list[str]) -> None:

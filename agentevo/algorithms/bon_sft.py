@@ -2,7 +2,7 @@
 
 1. from the base, sample bon_n trajectories per training task (rsd.rollout_temperature);
 2. keep the successful ones (success filter) [S];
-3. SFT (NLL) on their own reply ids, one round [O];
+3. SFT (NLL) on their own reply ids, one round [O]; with rsd.bon_with_expert, on the expert demos too [O];
 4. evaluate greedily without context.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from agentevo.algorithms.bc import nll_loss
+from agentevo.algorithms.bc import expert_samples, nll_loss
 from agentevo.algorithms.rsd import prepare_base, round_tasks, sampling_actor
 from agentevo.data.tensors import trajectory_samples
 from agentevo.eval.metrics import summarize
@@ -43,10 +43,13 @@ def run(run: Run) -> dict[str, Any]:
         if not kept:
             return {"samples": 0, "skipped": "no successful sample"}
         policy = run.load_policy(base)
-        samples = [s for k, t in enumerate(kept)
-                   for s in trajectory_samples(policy.renderer, t, k, cfg.agent.history_window, cfg.optim.max_length)]
+        window, max_length = cfg.agent.history_window, cfg.optim.max_length
+        demos = [t for t in run.store.load(collection="expert") if t.success] if rsd.bon_with_expert else []
+        samples = expert_samples(policy, demos, window, max_length)
+        samples += [s for k, t in enumerate(kept, start=len(demos))
+                    for s in trajectory_samples(policy.renderer, t, k, window, max_length)]
         stats = finetune(run, policy, samples, nll_loss, "bon-sft")
-        return {**stats, "samples": len(samples), "trajectories": len(kept)}
+        return {**stats, "samples": len(samples), "trajectories": len(kept), "expert_trajectories": len(demos)}
 
     results["bon-sft"] = run.phase("bon-sft", sft, all_ranks=True)
     final = "bon-sft" if results["bon-sft"].get("samples") else base

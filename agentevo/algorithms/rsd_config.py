@@ -107,6 +107,8 @@ class RSDConfig:
                                          0.3, gt=0, lt=1)
     # -- RSD-table baselines (§5) ------------------------------------------------------------------------
     bon_n: int = option("BoN: samples per task [S: 16]", 16, ge=1)
+    bon_with_expert: bool = option("BoN: SFT on the expert demos plus the kept samples, from the base, instead of the "
+                                   "kept samples alone (expert iteration / ReST: keeps what BC taught) [O: false]", False)
     reflexion_attempts: int = option("Reflexion: attempts per task [S: 3]", 3, ge=1)
     gt_epochs: float | None = option("GT-SFT epochs (null = optim.epochs, the SFT recipe's) [O]", None, gt=0)
 

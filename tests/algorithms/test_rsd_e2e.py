@@ -121,3 +121,60 @@ def test_rsd_base_shared_through_warm_start_from(tmp_path) -> None:  # noqa: ANN
     assert detoured["expert-detour"]["n"] == 3
     assert detoured["expert-detour"]["success_rate"] == detoured["expert"]["success_rate"]
     assert detoured["expert-detour"]["detours"] > 0 and detoured["ctx-bc"]["detour_rows"] > 0
+
+
+def test_bon_sft_practises_on_new_tasks_and_keeps_the_demos(tmp_path) -> None:  # noqa: ANN001
+    """BoN + SFT from a finished BC run on more training tasks than it had (its demos pinned by bc.n_expert), and the
+    expert-iteration form (rsd.bon_with_expert) adds exactly the demos' rows to the kept samples' rows."""
+    from agentevo.algorithms import bon_sft
+    from agentevo.algorithms.bc import expert_samples, warm_start
+    from agentevo.config import ConfigError
+    from agentevo.recipes import get_recipe
+    from agentevo.run import Run
+
+    def make(name: str, extra: list[str], method: str = "bon_sft") -> Run:
+        overrides = [*TINY, "env.params.max_steps=8", "rsd.ctx_warm_start=false", "rsd.bon_n=1", *extra]
+        cfg = load_config("configs/rsd_twx.yaml", overrides,
+                          method=method, name=name, output_dir=str(tmp_path))
+        return Run.create(cfg, quiet=True)
+
+    source = make("bc", [], method="bc")
+    try:
+        get_recipe("bc")(source)
+    finally:
+        source.close()
+    practise = ["env.n_train=5", "rsd.tasks_per_round=5", f"bc.warm_start_from={tmp_path / 'bc'}"]
+    with pytest.raises(ConfigError, match=r"larger than the BC run's 3; .*set bc.n_expert=3 \(got None\)"):
+        run = make("x", practise)
+        try:
+            warm_start(run)
+        finally:
+            run.close()
+
+    def sft_with_demos_as_kept(name: str, with_expert: bool) -> dict:
+        run = make(name, [*practise, "bc.n_expert=3", f"rsd.bon_with_expert={str(with_expert).lower()}"])
+        try:
+            first = bon_sft.run(run)
+            assert run.state["expert"]["n"] == 3 and first["bon/collect"]["tasks"] == 5
+            assert {t.task.task_id for t in run.store.load(collection="bon/samples")} == \
+                {t.task_id for t in run.tasks("train")}  # the two tasks without a demo are played too
+            # make sure SFT has kept samples to train on: the demos, stored as successful samples
+            demos = run.store.load(collection="expert")
+            run.store.add_missing("bon/samples", ((100 + k, t) for k, t in enumerate(demos)))
+            for phase in ("bon-sft", "eval/bon-sft"):
+                run.state.pop(phase)
+            out = bon_sft.run(run)["bon-sft"]
+            policy = run.load_policy("bc")
+            out["demo_rows"] = len(expert_samples(policy, demos, run.cfg.agent.history_window,
+                                                  run.cfg.optim.max_length))
+            out["kept"] = len(run.store.load(collection="bon/samples", success=True))
+            return out
+        finally:
+            run.close()
+
+    plain, iterated = sft_with_demos_as_kept("p", False), sft_with_demos_as_kept("e", True)
+    assert plain["expert_trajectories"] == 0 and iterated["expert_trajectories"] == 3
+    assert plain["trajectories"] == plain["kept"] and iterated["trajectories"] == iterated["kept"]
+    # same seed, same BC: the same samples are kept, and the demos add exactly their own rows
+    assert iterated["kept"] == plain["kept"] >= 3
+    assert iterated["samples"] == plain["samples"] + iterated["demo_rows"] > plain["samples"]
