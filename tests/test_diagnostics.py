@@ -232,3 +232,28 @@ def test_grpo_run_report_has_the_diagnostics_section(tmp_path) -> None:  # noqa:
     row = next(line for line in report.splitlines() if line.startswith("| zero-variance groups"))
     verdict = dg.grade(diag[0]["zero_var_frac"], 0.5, 0.8, higher_is_better=False)
     assert row.split(" | ")[2] == verdict
+
+
+def test_bon_premise_numbers_and_verdicts_by_hand() -> None:
+    from agentevo.algorithms.bon_sft import bon_premise_numbers
+
+    def traj(task_id: str, ok: bool, signals: list[str]) -> Trajectory:
+        task = Task("twx-cookingworld", task_id, "train", "cookingworld", {}, 20)
+        steps = [Step(t, "obs", "Action: look", [1], [-0.1], "look", "obs", 0.0, t == len(signals), signal=sig)
+                 for t, sig in enumerate(signals, start=1)]
+        return Trajectory(task, "self", "self", "Cook.", steps, float(ok), ok, goal="cook")
+
+    samples = [traj("a", True, ["none", "invalid"]), traj("a", True, ["none"]), traj("b", False, ["invalid"]),
+               traj("c", True, ["none", "none", "none"]), traj("d", False, ["none"])]
+    numbers = bon_premise_numbers(samples, demo_task_ids={"a", "b"})
+    # tasks a and c of a, b, c, d solved; kept: 3 (two on demo task a, one on new task c); 1 invalid of 6 kept steps
+    assert numbers == {"pass_at_n": 0.5, "kept": 3, "kept_new_task_share": pytest.approx(1 / 3),
+                       "kept_invalid_rate": pytest.approx(1 / 6)}
+    rows = {d.name: d for d in dg.diagnose("bon_sft", numbers)}
+    assert rows["practice tasks solved at least once (pass@N)"].verdict == dg.PASS
+    assert rows["kept successes on tasks without a demo"].verdict == dg.PASS  # 0.33 >= 0.3
+    invalid = rows["invalid actions among the kept steps"]
+    assert invalid.verdict == dg.FAIL and "rollout_temperature" in invalid.fix  # 0.167 > 0.15
+    none_kept = bon_premise_numbers([traj("b", False, ["none"])], {"a"})
+    assert none_kept["kept_new_task_share"] is None and none_kept["kept_invalid_rate"] is None
+    assert [d.verdict for d in dg.diagnose("bon_sft", none_kept)] == [dg.FAIL, dg.NA, dg.NA]

@@ -308,11 +308,31 @@ def eto_dpo(v: dict[str, Any]) -> list[Diagnostic]:
     return rows
 
 
+def bon_premise(v: dict[str, Any]) -> list[Diagnostic]:
+    """BoN + SFT: are there successes to learn from, do they add tasks the demos lack, and are they clean?"""
+    rows = []
+    if "pass_at_n" in v:
+        rows.append(_row("practice tasks solved at least once (pass@N)", v["pass_at_n"], grade(v["pass_at_n"], 0.2, 0.05),
+                         "few successes to learn from: raise rsd.bon_n or rsd.rollout_temperature, or start from a "
+                         "stronger BC policy"))
+    if "kept_new_task_share" in v:
+        rows.append(_row("kept successes on tasks without a demo", v["kept_new_task_share"],
+                         grade(v["kept_new_task_share"], 0.3, 0.0),
+                         "the kept samples mostly repeat the demos' tasks: practise on more training tasks than "
+                         "the BC run saw (env.n_train above bc.n_expert)"))
+    if "kept_invalid_rate" in v:
+        rows.append(_row("invalid actions among the kept steps", v["kept_invalid_rate"],
+                         grade(v["kept_invalid_rate"], 0.05, 0.15, higher_is_better=False),
+                         "successes that pass through invalid actions teach them: lower rsd.rollout_temperature"))
+    return rows
+
+
 EVALUATORS: dict[str, Callable[[dict[str, Any]], list[Diagnostic]]] = {
     "qevolve": critic_fit, "grpo": policy_update, "rsd": rsd_premise, "selfguide": selfguide_premise,
-    "eto": eto_dpo,
+    "eto": eto_dpo, "bon_sft": bon_premise,
 }
-STEP_WORDS = {"qevolve": "round", "grpo": "update", "selfguide": "update", "eto": "iteration", "rsd": "round"}
+STEP_WORDS = {"qevolve": "round", "grpo": "update", "selfguide": "update", "eto": "iteration", "rsd": "round",
+              "bon_sft": "round"}
 
 
 def diagnose(method: str, values: dict[str, Any]) -> list[Diagnostic]:

@@ -156,6 +156,9 @@ def test_bon_sft_practises_on_new_tasks_and_keeps_the_demos(tmp_path) -> None:  
         try:
             first = bon_sft.run(run)
             assert run.state["expert"]["n"] == 3 and first["bon/collect"]["tasks"] == 5
+            diag = [json.loads(line) for line in (run.dir / "metrics.jsonl").read_text().splitlines()
+                    if '"diag/bon_sft"' in line]  # the report's BoN diagnostics read this record
+            assert len(diag) == 1 and diag[0]["pass_at_n"] == first["bon/collect"]["pass@1"]
             assert {t.task.task_id for t in run.store.load(collection="bon/samples")} == \
                 {t.task_id for t in run.tasks("train")}  # the two tasks without a demo are played too
             # make sure SFT has kept samples to train on: the demos, stored as successful samples
