@@ -3,8 +3,10 @@
 1. from the base, sample bon_n trajectories per training task (rsd.rollout_temperature);
 2. keep the successful ones (success filter) [S]; the report's diagnostics (diag/bon_sft) say how many practised
    tasks were solved, how many kept samples are on tasks without a demo, and how clean their steps are;
-3. SFT (NLL) on their own reply ids, one round [O]; with rsd.bon_with_expert, on the expert demos too [O];
-4. evaluate greedily without context.
+3. SFT (NLL) from the base on their own reply ids [O]; with rsd.bon_with_expert, on the expert demos too [O];
+4. evaluate greedily without context;
+5. with rsd.bon_rounds > 1, the latest round's policy samples the next round's tasks (a fresh draw) and each
+   round's SFT, again from the base, trains on every round's kept samples so far (expert iteration) [O].
 """
 
 from __future__ import annotations
@@ -37,38 +39,55 @@ def bon_premise_numbers(samples: list[Trajectory], demo_task_ids: set[str]) -> d
     }
 
 
+def round_names(r: int) -> tuple[str, str, str, str]:
+    """Round r's collect phase, sample collection, checkpoint and evaluation phase (round 1 keeps the one-round
+    names, so a one-round run reads as before)."""
+    if r == 1:
+        return "bon/collect", "bon/samples", "bon-sft", "eval/bon-sft"
+    return f"bon/collect-{r}", f"bon/samples-{r}", f"bon-sft-{r}", f"eval/bon-sft-{r}"
+
+
 def run(run: Run) -> dict[str, Any]:
-    """BoN-N + SFT end to end; returns the evaluation table."""
+    """BoN-N + SFT end to end (rsd.bon_rounds rounds); returns the evaluation table."""
     cfg, rsd = run.cfg, run.cfg.rsd
     base, results = prepare_base(run)
-    # The same tasks RSD's first round draws, so the two spend their rollouts on the same tasks.
-    tasks = round_tasks(run, 1)
+    demo_ids = {t.task.task_id for t in run.store.load(collection="expert")}
+    actor_checkpoint = base
+    for r in range(1, rsd.bon_rounds + 1):
+        collect_phase, collection, checkpoint, eval_phase = round_names(r)
+        # Round 1 plays the tasks RSD's first round draws, so the two spend their rollouts on the same tasks.
+        tasks = round_tasks(run, r)
 
-    def collect() -> dict[str, Any]:
-        actor = sampling_actor(run, base, cfg.seed * 7919)
-        requests = [EpisodeRequest(t, k * rsd.bon_n + i, meta={"sample": i})
-                    for k, t in enumerate(tasks) for i in range(rsd.bon_n)]
-        trajs = run.collect(actor, requests, "bon/samples", f"BoN-{rsd.bon_n} samples")
-        premise = bon_premise_numbers(trajs, {t.task.task_id for t in run.store.load(collection="expert")})
-        run.logger.log("diag/bon_sft", 1, premise)
-        return {**summarize(trajs), "tasks": len(tasks), f"pass@{rsd.bon_n}": premise["pass_at_n"]}
+        def collect(actor_checkpoint: str = actor_checkpoint, tasks: list = tasks, collection: str = collection,
+                    r: int = r) -> dict[str, Any]:
+            actor = sampling_actor(run, actor_checkpoint, cfg.seed * 7919 + r - 1)
+            requests = [EpisodeRequest(t, k * rsd.bon_n + i, meta={"sample": i})
+                        for k, t in enumerate(tasks) for i in range(rsd.bon_n)]
+            label = f"BoN-{rsd.bon_n} samples" + (f", round {r}" if rsd.bon_rounds > 1 else "")
+            trajs = run.collect(actor, requests, collection, label)
+            premise = bon_premise_numbers(trajs, demo_ids)
+            run.logger.log("diag/bon_sft", r, premise)
+            return {**summarize(trajs), "tasks": len(tasks), f"pass@{rsd.bon_n}": premise["pass_at_n"],
+                    "actor": actor_checkpoint}
 
-    results["bon/collect"] = run.phase("bon/collect", collect)
+        results[collect_phase] = run.phase(collect_phase, collect)
 
-    def sft() -> dict[str, Any]:
-        kept = run.store.load(collection="bon/samples", success=True)
-        if not kept:
-            return {"samples": 0, "skipped": "no successful sample"}
-        policy = run.load_policy(base)
-        window, max_length = cfg.agent.history_window, cfg.optim.max_length
-        demos = [t for t in run.store.load(collection="expert") if t.success] if rsd.bon_with_expert else []
-        samples = expert_samples(policy, demos, window, max_length)
-        samples += [s for k, t in enumerate(kept, start=len(demos))
-                    for s in trajectory_samples(policy.renderer, t, k, window, max_length)]
-        stats = finetune(run, policy, samples, nll_loss, "bon-sft")
-        return {**stats, "samples": len(samples), "trajectories": len(kept), "expert_trajectories": len(demos)}
+        def sft(r: int = r, checkpoint: str = checkpoint) -> dict[str, Any]:
+            kept = [t for k in range(1, r + 1) for t in run.store.load(collection=round_names(k)[1], success=True)]
+            if not kept:
+                return {"samples": 0, "skipped": "no successful sample"}
+            policy = run.load_policy(base)
+            window, max_length = cfg.agent.history_window, cfg.optim.max_length
+            demos = [t for t in run.store.load(collection="expert") if t.success] if rsd.bon_with_expert else []
+            samples = expert_samples(policy, demos, window, max_length)
+            samples += [s for k, t in enumerate(kept, start=len(demos))
+                        for s in trajectory_samples(policy.renderer, t, k, window, max_length)]
+            stats = finetune(run, policy, samples, nll_loss, checkpoint)
+            return {**stats, "samples": len(samples), "trajectories": len(kept), "expert_trajectories": len(demos)}
 
-    results["bon-sft"] = run.phase("bon-sft", sft, all_ranks=True)
-    final = "bon-sft" if results["bon-sft"].get("samples") else base
-    results["eval/bon-sft"] = run.phase("eval/bon-sft", lambda: run.evaluate(run.rollout_policy(final), final))
+        results[checkpoint] = run.phase(checkpoint, sft, all_ranks=True)
+        if results[checkpoint].get("samples"):
+            actor_checkpoint = checkpoint
+        final = actor_checkpoint
+        results[eval_phase] = run.phase(eval_phase, lambda final=final: run.evaluate(run.rollout_policy(final), final))
     return results

@@ -107,6 +107,8 @@ class RSDConfig:
                                          0.3, gt=0, lt=1)
     # -- RSD-table baselines (§5) ------------------------------------------------------------------------
     bon_n: int = option("BoN: samples per task [S: 16]", 16, ge=1)
+    bon_rounds: int = option("BoN: rounds; round r > 1 samples with round r-1's policy and fine-tunes from the base on "
+                             "every round's kept samples [O: 1]", 1, ge=1)
     bon_with_expert: bool = option("BoN: SFT on the expert demos plus the kept samples, from the base, instead of the "
                                    "kept samples alone (expert iteration / ReST: keeps what BC taught) [O: false]", False)
     reflexion_attempts: int = option("Reflexion: attempts per task [S: 3]", 3, ge=1)
@@ -160,8 +162,8 @@ class RSDConfig:
             raise ConfigError("rsd.ctx_warm_detours must be in [0, 1] and rsd.ctx_warm_detour_prob in (0, 1)")
         if self.ctx_warm_steps < 1 or self.ctx_warm_epochs <= 0:
             raise ConfigError("rsd.ctx_warm_steps must be >= 1 and rsd.ctx_warm_epochs > 0")
-        if self.bon_n < 1 or self.reflexion_attempts < 1:
-            raise ConfigError("rsd.bon_n and rsd.reflexion_attempts must be >= 1")
+        if self.bon_n < 1 or self.reflexion_attempts < 1 or self.bon_rounds < 1:
+            raise ConfigError("rsd.bon_n, rsd.bon_rounds and rsd.reflexion_attempts must be >= 1")
         if self.future_max_steps is not None and self.future_max_steps < 1:
             raise ConfigError("rsd.future_max_steps must be >= 1 or null")
         if self.ctx_max_tokens is not None and self.ctx_max_tokens < 1:

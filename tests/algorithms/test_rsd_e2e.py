@@ -181,3 +181,31 @@ def test_bon_sft_practises_on_new_tasks_and_keeps_the_demos(tmp_path) -> None:  
     # same seed, same BC: the same samples are kept, and the demos add exactly their own rows
     assert iterated["kept"] == plain["kept"] >= 3
     assert iterated["samples"] == plain["samples"] + iterated["demo_rows"] > plain["samples"]
+
+
+def test_bon_sft_rounds_act_with_the_latest_policy_and_accumulate_kept_samples(tmp_path) -> None:  # noqa: ANN001
+    from agentevo.algorithms import bon_sft
+    from agentevo.run import Run
+
+    cfg = load_config("configs/rsd_twx.yaml", [*TINY, "env.params.max_steps=8", "rsd.ctx_warm_start=false",
+                                               "rsd.bon_n=1", "rsd.bon_rounds=2", "rsd.bon_with_expert=true"],
+                      method="bon_sft", name="r", output_dir=str(tmp_path))
+    run = Run.create(cfg, quiet=True)
+    try:
+        first = bon_sft.run(run)
+        assert first["bon/collect"]["actor"] == "bc" and "eval/bon-sft-2" in first
+        # give round 1 successes to keep (the demos), then redo what depends on them
+        run.store.add_missing("bon/samples", ((100 + k, t) for k, t in enumerate(run.store.load(collection="expert"))))
+        for phase in ("bon-sft", "eval/bon-sft", "bon/collect-2", "bon-sft-2", "eval/bon-sft-2"):
+            run.state.pop(phase)
+        again = bon_sft.run(run)
+        kept = [len(run.store.load(collection=c, success=True)) for c in ("bon/samples", "bon/samples-2")]
+    finally:
+        run.close()
+    assert again["bon-sft"]["trajectories"] == kept[0] >= 3
+    assert again["bon/collect-2"]["actor"] == "bon-sft"  # round 2 samples with round 1's policy
+    assert again["bon-sft-2"]["trajectories"] == kept[0] + kept[1]  # and trains on both rounds' kept samples
+    assert (tmp_path / "r/checkpoints/bon-sft-2/model.safetensors").exists()
+    diag_steps = [json.loads(line)["step"] for line in (tmp_path / "r/metrics.jsonl").read_text().splitlines()
+                  if '"diag/bon_sft"' in line]
+    assert sorted(set(diag_steps)) == [1, 2]
