@@ -271,6 +271,20 @@ def test_awr_escapes_the_trap(trap_runs: Path, tmp_path) -> None:  # noqa: ANN00
     assert start <= 0.25 and end >= 0.75, (start, end)
 
 
+@pytest.mark.parametrize("with_expert", [False, True])
+def test_bon_sft_escapes_the_trap(trap_runs: Path, tmp_path, with_expert: bool) -> None:  # noqa: ANN001
+    """BoN + SFT (rejection sampling): 8 tasks x 8 samples at T = 1, the door episodes kept, SFT from pi_BC.
+    BC <= 0.25 -> >= 0.75 (measured 1.0 at seeds 0 / 1 / 2, with and without the demos mixed in: only the
+    successful ones, 2 of the 8 noisy demos, as the expert-iteration form trains on what succeeded)."""
+    res = run_probe("bon_sft", "probe-trap", [*NOISY, "rsd.ctx_warm_start=false", "rsd.tasks_per_round=8",
+                                              "rsd.bon_n=8", "rsd.rollout_temperature=1.0",
+                                              f"rsd.bon_with_expert={str(with_expert).lower()}",
+                                              f"bc.warm_start_from={trap_runs / 'bc'}"], tmp_path)
+    start, end = success(res, "eval/bc"), success(res, "eval/bon-sft")
+    assert start <= 0.25 and end >= 0.75, (start, end)
+    assert res["bon-sft"]["expert_trajectories"] == (2 if with_expert else 0)
+
+
 QLASS = ["qlass.max_depth=2", "qlass.min_prune_depth=1", "qlass.head_hidden=32", "qlass.lr=3e-3", "qlass.epochs=20",
          "qlass.batch_size=8", "qlass.micro_batch_size=8", "qlass.n_candidates=4", "qlass.explore_top_p=1.0",
          "qlass.explore_temperature=1.0", "qlass.samples_per_depth=4"]
