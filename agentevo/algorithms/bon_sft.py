@@ -17,6 +17,7 @@ from agentevo.algorithms.bc import expert_samples, nll_loss
 from agentevo.algorithms.rsd import prepare_base, round_tasks, sampling_actor
 from agentevo.data.tensors import trajectory_samples
 from agentevo.data.types import Trajectory
+from agentevo.envs.base import Task
 from agentevo.eval.metrics import summarize
 from agentevo.rollout.engine import EpisodeRequest
 from agentevo.train.finetune import finetune
@@ -58,7 +59,7 @@ def run(run: Run) -> dict[str, Any]:
         # Round 1 plays the tasks RSD's first round draws, so the two spend their rollouts on the same tasks.
         tasks = round_tasks(run, r)
 
-        def collect(actor_checkpoint: str = actor_checkpoint, tasks: list = tasks, collection: str = collection,
+        def collect(actor_checkpoint: str = actor_checkpoint, tasks: list[Task] = tasks, collection: str = collection,
                     r: int = r) -> dict[str, Any]:
             actor = sampling_actor(run, actor_checkpoint, cfg.seed * 7919 + r - 1)
             requests = [EpisodeRequest(t, k * rsd.bon_n + i, meta={"sample": i})
