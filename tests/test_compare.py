@@ -124,8 +124,10 @@ def test_paired_difference_vs_baseline_by_hand(tmp_path: Path, capsys: pytest.Ca
     assert "| base | twx | s0, s1 | 37.5 ± 17.7 (25.0 / 50.0) | - |" in result.table
     assert "| qe | twx | s0, s1 | 75.0 ± 0.0 (75.0 / 75.0) | 37.5 ± 17.7 (25.0 / 50.0) |" in result.table
     # 3 better cells, 0 worse: mean 3/8 = 37.5 points, p = 2 / 2^3; per-task means 0, 50, 50, 50 -> [12.5, 50]
-    # (see test_stats); `bc` is not in the baseline, so the only row is round-1 vs round-1
-    assert result.paired_table.splitlines()[2:] == ["| qe | round-1 | 2 | 4 | +37.5 | [+12.5, +50.0] | 3 / 0 | 0.25 |"]
+    # (see test_stats); `bc` is not in the baseline, so it is read against the baseline's last point (round-1),
+    # whose outcomes it equals task for task: +0.0, no discordant cell, p = 1
+    assert result.paired_table.splitlines()[2:] == ["| qe | bc vs round-1 | 2 | 4 | +0.0 | [+0.0, +0.0] | 0 / 0 | 1 |",
+                                                    "| qe | round-1 | 2 | 4 | +37.5 | [+12.5, +50.0] | 3 / 0 | 0.25 |"]
     assert result.sentences == ["- **qe** (round-1; base at round-1): difference vs base: +37.5 points "
                                 "[+12.5, +50.0], p = 0.25 (3 better / 0 worse over 2 seed pair(s) x 4 tasks); "
                                 "the interval excludes zero, but the exact test does not rule out chance "

@@ -268,14 +268,16 @@ def pair_arms(arm: Group, base: Group, label: str, base_label: str, split: str, 
 
 
 def paired_rows(groups: list[Group], base: Group, split: str, metric: str, n_boot: int = N_BOOT) -> list[Paired]:
-    """Every other arm vs the baseline: at each evaluation label both have, then last point vs last point."""
+    """Every other arm vs the baseline: each of the arm's evaluation points against the baseline's point of the
+    same label, or its last one where it has no such label (GRPO's update-6 vs BC), then last point vs last point."""
     rows = []
     for g in groups:
         if g is base:
             continue
-        shared = [label for label in g.points if label in base.points]
-        compared = [(label, label) for label in shared]
-        final = (list(g.points)[-1], list(base.points)[-1]) if g.points and base.points else None
+        base_last = list(base.points)[-1] if base.points else None
+        compared = [(label, label if label in base.points else base_last) for label in g.points
+                    if label in base.points or base_last is not None]
+        final = (list(g.points)[-1], base_last) if g.points and base_last is not None else None
         if final and final not in compared:
             compared.append(final)
         rows += [pair_arms(g, base, a, b, split, metric, n_boot) for a, b in compared]
