@@ -129,7 +129,8 @@ def import_warm_start(run: Run, source: Path, collection: str = "expert",
                       checkpoints: tuple[str, ...] = ("init", "bc")) -> dict[str, Any]:
     """Copy a finished BC run's demos, init/bc checkpoints and phase results into this run (its phases are then
     skipped). The environment and agent settings must match, or the evaluations would not be comparable; only
-    env.n_train may be smaller (the demos of this run's training tasks are copied), and env.n_dev / env.n_test may
+    env.n_train may be smaller (the demos of this run's training tasks are copied) or larger with bc.n_expert set to
+    the BC run's n_train (the same demos; the other training tasks are new ones to practise on), and env.n_dev / env.n_test may
     differ (the imported checkpoints are then evaluated again here, on this run's task lists). A recipe with its own warm start
     names its demo collection, phases (phases[0] is the collection's) and checkpoints, and `also_equal` the settings
     of other config sections that shape it."""
