@@ -35,7 +35,7 @@ demo: check-java install
 	OMP_NUM_THREADS=1 $(VENV)/bin/agentevo train --config configs/demo_twx_bc.yaml --name demo-$$(date +%Y%m%d-%H%M%S)
 
 ## After `make demo`: its BC agent practises on 400 training games (about 280 it never saw), keeps its wins and
-## fine-tunes on them with the demos (BoN + SFT), two rounds; BC vs each round on 200 held-out games (~18 min).
+## fine-tunes on them with the demos (BoN + SFT), two rounds; BC vs each round on 200 held-out games (~15 min).
 evolve: check-java install
 	@BC=$$(ls -td runs/demo-* 2>/dev/null | head -1); \
 	test -n "$$BC" || { echo "error: no runs/demo-* folder; run 'make demo' first" >&2; exit 1; }; \
