@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 from agentevo.algorithms.bc import expert_samples, nll_loss
 from agentevo.algorithms.rsd import prepare_base, round_tasks, sampling_actor
-from agentevo.data.tensors import trajectory_samples
 from agentevo.data.types import Trajectory
 from agentevo.envs.base import Task
 from agentevo.eval.metrics import summarize
@@ -80,9 +79,8 @@ def run(run: Run) -> dict[str, Any]:
             policy = run.load_policy(base)
             window, max_length = cfg.agent.history_window, cfg.optim.max_length
             demos = [t for t in run.store.load(collection="expert") if t.success] if rsd.bon_with_expert else []
-            samples = expert_samples(policy, demos, window, max_length)
-            samples += [s for k, t in enumerate(kept, start=len(demos))
-                        for s in trajectory_samples(policy.renderer, t, k, window, max_length)]
+            # kept samples carry the ids they were generated with; only the demos' text replies get tokenized
+            samples = expert_samples(policy, [*demos, *kept], window, max_length)
             stats = finetune(run, policy, samples, nll_loss, checkpoint)
             return {**stats, "samples": len(samples), "trajectories": len(kept), "expert_trajectories": len(demos)}
 

@@ -275,8 +275,8 @@ def paired_rows(groups: list[Group], base: Group, split: str, metric: str, n_boo
         if g is base:
             continue
         base_last = list(base.points)[-1] if base.points else None
-        compared = [(label, label if label in base.points else base_last) for label in g.points
-                    if label in base.points or base_last is not None]
+        compared = ([(label, label if label in base.points else base_last) for label in g.points]
+                    if base_last is not None else [])
         final = (list(g.points)[-1], base_last) if g.points and base_last is not None else None
         if final and final not in compared:
             compared.append(final)
