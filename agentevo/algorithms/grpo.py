@@ -11,7 +11,7 @@ GRPO: ε_low = ε_high = 0.2. DAPO: ε_high = 0.28 and groups whose rewards are 
 The recipe:
   0. warm start: expert demos -> BC; π_0 = π_ref = the BC policy.
   for update k = 1..K:
-  1. take the next `tasks_per_update` training tasks and play G trajectories of each with π_{k−1}
+  1. take the next `tasks_per_update` training tasks (split order, or `task_order: shuffled`) and play G trajectories of each with π_{k−1}
      (temperature T, behaviour log-probs stored with every step);
   2. R_i = final reward (optionally minus an invalid-action penalty), A_i = group-normalised R_i;
      DAPO drops all-equal groups;
@@ -70,6 +70,14 @@ LossFn = Callable[[Any, dict[str, Any]], tuple[torch.Tensor, dict[str, float]]]
 def update_tasks(tasks: Sequence[Task], k: int, n: int) -> list[Task]:
     """The n training tasks of update k (1-based): consecutive in the fixed list, wrapping around."""
     return [tasks[((k - 1) * n + j) % len(tasks)] for j in range(n)]
+
+
+def task_order(tasks: Sequence[Task], order: str, seed: int) -> list[Task]:
+    """The list `update_tasks` walks: the split as it is, or one permutation of it fixed by the run's seed."""
+    out = list(tasks)
+    if order == "shuffled":
+        random.Random(seed * 104729 + 17).shuffle(out)
+    return out
 
 
 def group_requests(tasks: Sequence[Task], group_size: int, meta: dict[str, Any] | None = None) -> list[EpisodeRequest]:
@@ -556,7 +564,7 @@ def run(run: Run) -> dict[str, Any]:
     trainer = PolicyTrainer(policy, cfg, g)
     latest = run.checkpoint_dir("latest")
     done = (trainer.restore(latest) or {}).get("update", 0)
-    train_tasks = list(run.tasks("train"))
+    train_tasks = task_order(run.tasks("train"), g.task_order, cfg.seed)
     window, max_len = cfg.agent.history_window, cfg.optim.max_length
     eval_points: list[tuple[str, dict[str, dict[str, Any]]]] = [("bc", results["eval/bc"])]
 

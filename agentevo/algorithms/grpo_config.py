@@ -12,6 +12,7 @@ from agentevo.options import option
 
 ALGOS = ("grpo", "dapo")
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+TASK_ORDERS = ("sequential", "shuffled")
 PENALTY_MODES = ("return", "step")
 PENALTY_SIGNALS = ("format", "invalid", "repeat")
 GUIDE_MODES = ("none", "infer_only", "train")  # spec's "off" is "none": YAML 1.1 reads a bare off as false
@@ -34,6 +35,9 @@ class GRPOConfig:
     algo: str = option("'grpo' (symmetric clip) or 'dapo' (clip-higher + drop all-equal groups) [P:DAPO]", "grpo")
     n_updates: int = option("policy updates K_tot (one rollout batch each) [O]", 20, ge=1)
     tasks_per_update: int = option("training tasks per update, taken in order and cycling [O: 16]", 16, ge=1)
+    task_order: str = option(
+        "order the updates take training tasks in: 'sequential' (the split's order) or 'shuffled' (one seeded "
+        "permutation of the whole split, so updates reach tasks the BC demos did not cover) [O]", "sequential")
     group_size: int = option("trajectories per task G [O: 8, RSD's GRPO baseline / verl-agent]", 8, ge=2)
     temperature: float = option("rollout sampling temperature [O: 1.0, verl-agent]", 1.0, gt=0)
     top_p: float = option("rollout nucleus sampling [O: 1.0]", 1.0, gt=0, le=1)
@@ -79,6 +83,7 @@ class GRPOConfig:
     def validate(self) -> None:
         _choice("grpo", "algo", self.algo, ALGOS)
         _choice("grpo", "loss_agg", self.loss_agg, LOSS_AGGS)
+        _choice("grpo", "task_order", self.task_order, TASK_ORDERS)
         _choice("grpo", "penalty_mode", self.penalty_mode, PENALTY_MODES)
         for sig in self.penalty_signals:
             _choice("grpo", "penalty_signals[]", sig, PENALTY_SIGNALS)

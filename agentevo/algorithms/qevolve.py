@@ -2,7 +2,8 @@
 
     0. BC warm start: pi_0 := pi_BC (warm_start).
     for round r = 1..K (the paper's k = r − 1):
-    1. hybrid data: roll pi_{r-1} (T=0.7) n_self_per_task times on every training task -> D_self;
+    1. hybrid data: roll pi_{r-1} (T=0.7) n_self_per_task times on every training task (or a draw of
+       tasks_per_round) -> D_self;
        D = D_expert ∪ D_self (refresh: this round's D_self; accumulate: every round's).
     2. retrospective labels: r_aux_t from the step's signal (format > invalid > repeat > none).
     3. weighted-IQL critic on D: V step (expectile vs min target Q) -> Q step (Bellman with r_env + r_aux)
@@ -22,6 +23,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +60,7 @@ from agentevo.rollout.engine import EpisodeRequest, PolicyActor
 from agentevo.train.finetune import finetune
 
 if TYPE_CHECKING:
+    from agentevo.envs.base import TaskList
     from agentevo.run import Run
 
 
@@ -142,7 +145,7 @@ def collect_self(run: Run, r: int) -> dict[str, Any]:
     if r == 1 and q.round1_data_from:
         return import_round1_data(run, Path(q.round1_data_from))
     policy = acting_policy(run, r - 1)
-    tasks = run.tasks("train")
+    tasks = self_tasks(run, r)
     sampling = Sampling(q.collect_temperature, cfg.rollout.top_p, cfg.agent.max_new_tokens, seed=cfg.seed * 7919 + r)
     actor = PolicyActor(policy, run.signal_env.instruction(), cfg.agent.history_window, sampling)
     requests = [
@@ -154,8 +157,14 @@ def collect_self(run: Run, r: int) -> dict[str, Any]:
     return {"policy": policy.policy_id, "task_hash": tasks.hash, **summarize(trajs)}
 
 
+def self_tasks(run: Run, r: int) -> TaskList:
+    """Round r's collection tasks: the whole training split, or a seeded draw of qevolve.tasks_per_round."""
+    tasks, n = run.tasks("train"), run.cfg.qevolve.tasks_per_round
+    return tasks if n is None else tasks.sample(n, random.Random(run.cfg.seed * 7919 + 1000 + r))
+
+
 ROUND1_DATA_KEYS = ("seed", "env", "model", "agent", "bc", "rollout.top_p", "qevolve.n_self_per_task",
-                    "qevolve.collect_temperature")
+                    "qevolve.collect_temperature", "qevolve.tasks_per_round")
 
 
 def import_round1_data(run: Run, source: Path) -> dict[str, Any]:

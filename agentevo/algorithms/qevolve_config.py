@@ -27,6 +27,9 @@ class QEvolveConfig:
         None)
     n_self_per_task: int = option("self-collected trajectories per training task N_self [S '33 per task', meaning §8]",
                                   33, ge=1)
+    tasks_per_round: int | None = option(
+        "training tasks a round collects D_self on: null = every training task [S]; N = a fresh seeded draw of N "
+        "per round (stratified by task type), e.g. to practise on tasks beyond the BC demos' [O]", None, ge=1)
     collect_temperature: float = option("sampling temperature for D_self [P:ETO explore cfg, O for Q-Evolve]",
                                         0.7, ge=0)
     buffer: str = option("D_self each round: 'refresh' (replace) or 'accumulate' (keep older rounds) [O]", "refresh")

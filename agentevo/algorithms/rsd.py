@@ -63,7 +63,7 @@ from agentevo.algorithms.selfguide import GuidedExpertActor
 from agentevo.algorithms.writers import RuleWriter, http_client_from_config, make_writer
 from agentevo.data.tensors import StepSample, collate, trajectory_samples
 from agentevo.data.types import Step, Trajectory
-from agentevo.envs.base import SIGNAL_NONE, Task
+from agentevo.envs.base import SIGNAL_NONE, Task, sample_tasks
 from agentevo.errors import AgentevoError
 from agentevo.eval.metrics import auc, summarize
 from agentevo.models.backend import Sampling
@@ -344,23 +344,6 @@ def teacher_rows(renderer: Any, trajs: Sequence[Trajectory], contexts: Sequence[
 
 # ---------------------------------------------------------------------------------------------------------------
 # Helpers
-
-
-def sample_tasks(tasks: Sequence[Task], n: int, rng: random.Random) -> list[Task]:
-    """n tasks stratified by task type (round-robin over shuffled types) [O]; all tasks, in order, when n >= len."""
-    if n >= len(tasks):
-        return list(tasks)
-    by_type: dict[str, list[Task]] = {}
-    for t in tasks:
-        by_type.setdefault(t.task_type, []).append(t)
-    for group in by_type.values():
-        rng.shuffle(group)
-    out: list[Task] = []
-    while len(out) < n:
-        for group in by_type.values():
-            if group and len(out) < n:
-                out.append(group.pop())
-    return out
 
 
 def eval_splits(cfg: Any) -> list[str]:

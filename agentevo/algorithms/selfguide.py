@@ -68,6 +68,7 @@ from agentevo.algorithms.grpo import (
     run_updates,
     split_groups,
     step_penalties,
+    task_order,
     update_tasks,
 )
 from agentevo.algorithms.grpo_config import SelfGuideConfig
@@ -514,7 +515,7 @@ def run(run: Run) -> dict[str, Any]:
     trainer = PolicyTrainer(policy, cfg, g)
     latest = run.checkpoint_dir("latest")
     done = (trainer.restore(latest) or {}).get("update", 0)
-    train_tasks = list(run.tasks("train"))
+    train_tasks = task_order(run.tasks("train"), g.task_order, cfg.seed)
     window, max_len = cfg.agent.history_window, cfg.optim.max_length
     max_new = cfg.agent.max_new_tokens + (sg.guide_max_tokens if with_guide else 0)
     mask_fn = make_masker(policy.tokenizer, sg.guide_position, with_guide)

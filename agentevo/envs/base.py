@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -81,6 +83,27 @@ class TaskList:
         if n is None or n >= len(self.tasks):
             return self
         return TaskList(self.env, self.split, self.tasks[:n])
+
+    def sample(self, n: int, rng: random.Random) -> TaskList:
+        """n tasks drawn by `sample_tasks` (stratified by task type); the result has its own hash."""
+        return TaskList(self.env, self.split, tuple(sample_tasks(self.tasks, n, rng)))
+
+
+def sample_tasks(tasks: Sequence[Task], n: int, rng: random.Random) -> list[Task]:
+    """n tasks stratified by task type (round-robin over shuffled types); all tasks, in order, when n >= len."""
+    if n >= len(tasks):
+        return list(tasks)
+    by_type: dict[str, list[Task]] = {}
+    for t in tasks:
+        by_type.setdefault(t.task_type, []).append(t)
+    for group in by_type.values():
+        rng.shuffle(group)
+    out: list[Task] = []
+    while len(out) < n:
+        for group in by_type.values():
+            if group and len(out) < n:
+                out.append(group.pop())
+    return out
 
 
 def normalise_observation(text: str) -> str:

@@ -29,3 +29,42 @@ def test_tree_task_indices_first_and_spread() -> None:
     assert tree_task_indices(10, 3, "spread") == [0, 3, 6]
     assert tree_task_indices(10, None, "spread") == list(range(10))
     assert tree_task_indices(4, 9, "first") == [0, 1, 2, 3]
+
+
+def test_grpo_task_order_sequential_or_one_seeded_permutation() -> None:
+    import pytest
+
+    from agentevo.algorithms.grpo import task_order, update_tasks
+    from agentevo.envs.base import Task
+    from agentevo.errors import ConfigError
+
+    tasks = [Task(env="e", task_id=f"t{k}", split="train", task_type="a") for k in range(10)]
+    assert task_order(tasks, "sequential", 0) == tasks
+    shuffled = task_order(tasks, "shuffled", 0)
+    assert sorted(t.task_id for t in shuffled) == sorted(t.task_id for t in tasks) and shuffled != tasks
+    assert task_order(tasks, "shuffled", 0) == shuffled  # fixed by the seed: a resumed run takes the same tasks
+    assert task_order(tasks, "shuffled", 1) != shuffled
+    # updates walk the permutation: 10 tasks, 4 per update -> update 3 wraps to the permutation's start
+    assert update_tasks(shuffled, 3, 4) == [*shuffled[8:], *shuffled[:2]]
+    with pytest.raises(ConfigError, match="grpo.task_order must be one of sequential, shuffled"):
+        load_config(None, ["grpo.task_order=random"], method="grpo")
+
+
+def test_qevolve_tasks_per_round_draws_a_fixed_subset_per_round(tmp_path) -> None:  # noqa: ANN001
+    from agentevo.algorithms.qevolve import self_tasks
+    from agentevo.run import Run
+
+    cfg = load_config(None, ["env.n_train=8", "env.n_test=1", "env.params={max_steps: 15}", "qevolve.tasks_per_round=3",
+                             f"output_dir={tmp_path}", "name=draw"], method="qevolve")
+    run = Run.create(cfg, quiet=True)
+    try:
+        train_ids = [t.task_id for t in run.tasks("train")]
+        draws = [[t.task_id for t in self_tasks(run, r)] for r in (1, 2, 3)]
+        assert all(len(d) == 3 == len(set(d)) and set(d) <= set(train_ids) for d in draws)
+        assert len({tuple(d) for d in draws}) > 1  # a fresh draw each round
+        assert [t.task_id for t in self_tasks(run, 1)] == draws[0]  # the same draw when a round resumes
+        assert self_tasks(run, 1).hash != run.tasks("train").hash  # the report names the subset it played
+        run.cfg.qevolve.tasks_per_round = None
+        assert [t.task_id for t in self_tasks(run, 1)] == train_ids  # null: every training task, as the paper
+    finally:
+        run.close()
