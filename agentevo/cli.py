@@ -161,7 +161,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     try:
         policy = run.rollout_policy(args.model)
         if args.guide:
-            from agentevo.algorithms.selfguide import evaluate_guided, guides_kept
+            from agentevo.algorithms.selfguide.recipe import evaluate_guided, guides_kept
 
             keep = guides_kept(args.guide_history or "all", 1)
             results = {"eval/" + label: run.phase("eval/" + label, lambda: evaluate_guided(run, policy, label, keep))}

@@ -12,9 +12,10 @@ from typing import Any
 import yaml
 
 from agentevo.algorithms.baselines_config import ETOConfig, QLASSConfig
-from agentevo.algorithms.grpo_config import GRPOConfig, SelfGuideConfig
-from agentevo.algorithms.qevolve_config import QEvolveConfig
-from agentevo.algorithms.rsd_config import RSDConfig
+from agentevo.algorithms.grpo.config import GRPOConfig
+from agentevo.algorithms.qevolve.config import QEvolveConfig
+from agentevo.algorithms.rsd.config import RSDConfig
+from agentevo.algorithms.selfguide.config import SelfGuideConfig
 from agentevo.errors import ConfigError
 from agentevo.models.http_backend import HTTPConfig
 from agentevo.models.vllm_backend import VLLMConfig

@@ -38,6 +38,12 @@ def option(
     return dataclasses.field(default=default, metadata=metadata)
 
 
+def check_choice(section: str, name: str, value: object, allowed: tuple[str, ...]) -> None:
+    """Raise a ConfigError naming section.name and the allowed values when value is not one of them."""
+    if value not in allowed:
+        raise ConfigError(f"{section}.{name} must be one of {', '.join(allowed)} (got {value!r})")
+
+
 def _num(x: Number) -> str:
     return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else repr(x)
 

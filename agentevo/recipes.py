@@ -11,19 +11,19 @@ from agentevo.errors import ConfigError
 RECIPES: dict[str, str] = {
     "bc": "agentevo.algorithms.bc:run",
     # Q-Evolve and the baselines of its table
-    "qevolve": "agentevo.algorithms.qevolve:run",
+    "qevolve": "agentevo.algorithms.qevolve.recipe:run",
     "eto": "agentevo.algorithms.eto:run",
     "qlass": "agentevo.algorithms.qlass:run",
     # GRPO and Self-Guide
-    "grpo": "agentevo.algorithms.grpo:run",
-    "selfguide": "agentevo.algorithms.selfguide:run",
+    "grpo": "agentevo.algorithms.grpo.recipe:run",
+    "selfguide": "agentevo.algorithms.selfguide.recipe:run",
     # RSD and the baselines of its table
-    "rsd": "agentevo.algorithms.rsd:run",
-    "gt_sft": "agentevo.algorithms.rsd_baselines:run_gt_sft",
-    "gt_opsd": "agentevo.algorithms.rsd_baselines:run_gt_opsd",
-    "bon_sft": "agentevo.algorithms.bon_sft:run",
-    "harness": "agentevo.algorithms.harness:run",
-    "reflexion": "agentevo.algorithms.reflexion:run",
+    "rsd": "agentevo.algorithms.rsd.recipe:run",
+    "gt_sft": "agentevo.algorithms.rsd.baselines:run_gt_sft",
+    "gt_opsd": "agentevo.algorithms.rsd.baselines:run_gt_opsd",
+    "bon_sft": "agentevo.algorithms.rsd.bon_sft:run",
+    "harness": "agentevo.algorithms.rsd.harness:run",
+    "reflexion": "agentevo.algorithms.rsd.reflexion:run",
 }
 
 # Recipes whose phases are marked for `accelerate launch`: collection, evaluation, critic / Q-network fitting and

@@ -23,7 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import cpu_line, quick_bc_model  # noqa: E402
 
-from agentevo.algorithms.grpo import (  # noqa: E402
+from agentevo.algorithms.grpo.config import GRPOConfig
+from agentevo.algorithms.grpo.recipe import (  # noqa: E402
     PolicyTrainer,
     add_ref_logprobs,
     group_requests,
@@ -33,8 +34,7 @@ from agentevo.algorithms.grpo import (  # noqa: E402
     outcome_samples,
     split_groups,
 )
-from agentevo.algorithms.grpo_config import GRPOConfig
-from agentevo.algorithms.selfguide import guided_samples, make_masker
+from agentevo.algorithms.selfguide.recipe import guided_samples, make_masker
 from agentevo.config import RunConfig, TinyModelConfig
 from agentevo.envs import make_env
 from agentevo.models.backend import Sampling, TransformersPolicy, load_pretrained

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--smoke", action="store_true", help="tiny model and budgets: checks the bench runs (seconds)")
     args = ap.parse_args(argv)
 
-    from agentevo.algorithms import qevolve
+    from agentevo.algorithms.qevolve import recipe as qevolve
     from agentevo.run import Run
 
     out = Path(args.output_dir or tempfile.mkdtemp(prefix="bench-qevolve-"))

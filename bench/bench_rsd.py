@@ -2,13 +2,13 @@
 
 Three ways to train a student towards a teacher that reads a longer (privileged-context) prompt:
   topk-cache   teacher pass once (no grad) -> top-k ids + log-probs per reply token -> training reads the cache
-               (what agentevo.algorithms.rsd does)
+               (what agentevo.algorithms.rsd.recipe does)
   full-cache   teacher pass once -> the full-vocabulary log-probs per reply token are kept for training
   full-live    the teacher runs next to the student at every training step (no cache), full-vocabulary KL
 Each variant runs in a fresh subprocess on the same synthetic rows (random token ids, a share of reply tokens),
 so the peak resident memory (CPU) or peak allocated memory (CUDA) of one does not leak into the next.
 Printed: cache size, peak memory over the process baseline, teacher time, training time, and the final KL; first, the
-bytes per reply token of the compact top-k cache (float16 log-probs, int16/int32 ids, as agentevo.algorithms.rsd saves
+bytes per reply token of the compact top-k cache (float16 log-probs, int16/int32 ids, as agentevo.algorithms.rsd.recipe saves
 it) vs the previous float32 + int32 cache and the full float32 vocabulary row, at 2K and 150K vocabularies.
 
 Usage: python bench/bench_rsd.py [--vocab 2048 32000] [--rows 16] [--length 384] [--context 128] [--k 20] [--smoke]
@@ -36,7 +36,7 @@ def _variant(args: dict[str, Any]) -> dict[str, Any]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from agentevo.algorithms import losses
-    from agentevo.algorithms.rsd import id_dtype
+    from agentevo.algorithms.rsd.recipe import id_dtype
 
     torch.set_num_threads(args["threads"])
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -118,7 +118,7 @@ def cache_bytes_per_token(vocab: int, k: int) -> dict[str, int]:
     """Bytes per reply token: the compact top-k cache, the previous float32 + int32 one, the full float32 row."""
     import torch
 
-    from agentevo.algorithms.rsd import id_dtype
+    from agentevo.algorithms.rsd.recipe import id_dtype
 
     ids = torch.empty((), dtype=id_dtype(vocab)).element_size()
     token_logps = 2 * 4  # teacher's and student's log-prob of the taken token, float32

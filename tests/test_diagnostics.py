@@ -12,8 +12,8 @@ import torch
 
 from agentevo.agent.prompt import expert_reply, parse_action
 from agentevo.algorithms import advantages as adv_math
-from agentevo.algorithms.qevolve import critic_diagnostics
-from agentevo.algorithms.qevolve_config import QEvolveConfig
+from agentevo.algorithms.qevolve.config import QEvolveConfig
+from agentevo.algorithms.qevolve.recipe import critic_diagnostics
 from agentevo.data.types import Step, Trajectory
 from agentevo.envs.base import Task
 from agentevo.errors import AgentevoError
@@ -187,7 +187,7 @@ def test_fit_budget_counts_optimiser_steps_or_legacy_epochs() -> None:
 
 def test_rsd_premise_stop_and_eto_dpo_numbers() -> None:
     from agentevo.algorithms.eto import PreferencePair, dpo_diagnostics
-    from agentevo.algorithms.rsd import check_premise
+    from agentevo.algorithms.rsd.recipe import check_premise
 
     check_premise({"teacher_token_logp": -2.0, "student_token_logp": -1.0}, stop=False)  # warn only
     check_premise({"teacher_token_logp": -0.5, "student_token_logp": -1.0}, stop=True)  # premise holds
@@ -203,7 +203,7 @@ def test_rsd_premise_stop_and_eto_dpo_numbers() -> None:
 
 
 def test_grpo_run_report_has_the_diagnostics_section(tmp_path) -> None:  # noqa: ANN001
-    from agentevo.algorithms.grpo import run as grpo_run
+    from agentevo.algorithms.grpo.recipe import run as grpo_run
     from agentevo.config import load_config
     from agentevo.eval.report import write_report
     from agentevo.run import Run
@@ -235,7 +235,7 @@ def test_grpo_run_report_has_the_diagnostics_section(tmp_path) -> None:  # noqa:
 
 
 def test_bon_premise_numbers_and_verdicts_by_hand() -> None:
-    from agentevo.algorithms.bon_sft import bon_premise_numbers
+    from agentevo.algorithms.rsd.bon_sft import bon_premise_numbers
 
     def traj(task_id: str, ok: bool, signals: list[str]) -> Trajectory:
         task = Task("twx-cookingworld", task_id, "train", "cookingworld", {}, 20)

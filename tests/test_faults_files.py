@@ -229,8 +229,8 @@ def test_crafted_optimizer_state_is_refused_without_running(tiny_policy: Any, tm
 
 
 def test_grpo_checkpoint_refuses_crafted_or_damaged_files(tiny_policy: Any, tmp_path: Path) -> None:
-    from agentevo.algorithms.grpo import PolicyTrainer
-    from agentevo.algorithms.grpo_config import GRPOConfig
+    from agentevo.algorithms.grpo.config import GRPOConfig
+    from agentevo.algorithms.grpo.recipe import PolicyTrainer
     from agentevo.config import RunConfig
 
     trainer = PolicyTrainer(copy.deepcopy(tiny_policy), RunConfig(), GRPOConfig())

@@ -77,7 +77,7 @@ def test_scoring_forwards_run_in_the_precision_of_the_loss(tiny_policy, monkeypa
     as the loss's forward does, so ratio 1 and KL 0 hold at the first step; under float32 nothing is autocast."""
     import torch
 
-    from agentevo.algorithms.rsd import reply_logits
+    from agentevo.algorithms.rsd.recipe import reply_logits
     from agentevo.data.tensors import StepSample, collate, reply_logprobs
     from agentevo.models import placement
 

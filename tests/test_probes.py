@@ -344,7 +344,7 @@ def _precedent_vaults(run_dir: Path) -> list[list[str]]:
 
 
 def _cache(run_dir: Path, r: int) -> Any:
-    from agentevo.algorithms.rsd import TeacherCache
+    from agentevo.algorithms.rsd.recipe import TeacherCache
 
     return TeacherCache.load(run_dir / "rsd" / f"round-{r}" / "teacher_topk.pt")
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from agentevo.agent.prompt import expert_reply, parse_action
-from agentevo.algorithms.grpo import (
+from agentevo.algorithms.grpo.config import GRPOConfig
+from agentevo.algorithms.grpo.recipe import (
     PolicyTrainer,
     add_ref_logprobs,
     group_requests,
@@ -22,7 +23,6 @@ from agentevo.algorithms.grpo import (
     step_penalties,
     update_tasks,
 )
-from agentevo.algorithms.grpo_config import GRPOConfig
 from agentevo.config import RunConfig, load_config
 from agentevo.data.tensors import collate, reply_logprobs, trajectory_samples
 from agentevo.data.types import Step, Trajectory
@@ -254,7 +254,7 @@ SMOKE = [
 def test_grpo_recipe_one_update_end_to_end(tmp_path) -> None:  # noqa: ANN001
     import json
 
-    from agentevo.algorithms.grpo import run as grpo_run
+    from agentevo.algorithms.grpo.recipe import run as grpo_run
     from agentevo.run import Run
 
     cfg = load_config(None, SMOKE, method="grpo", name="g", output_dir=str(tmp_path))
@@ -286,7 +286,7 @@ def test_on_policy_rollouts_follow_the_backend(tmp_path) -> None:  # noqa: ANN00
     """transformers: the trained model itself; vLLM: each update's weights exported and refreshed; HTTP: refused."""
     from types import SimpleNamespace
 
-    from agentevo.algorithms.grpo import acting_policy, check_on_policy_backend
+    from agentevo.algorithms.grpo.recipe import acting_policy, check_on_policy_backend
     from agentevo.errors import ConfigError
 
     calls: list[tuple[str, object]] = []

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from agentevo.agent.prompt import expert_reply, parse_action
-from agentevo.algorithms import qevolve
-from agentevo.algorithms.qevolve import (
+from agentevo.algorithms.qevolve import recipe as qevolve
+from agentevo.algorithms.qevolve.config import QEvolveConfig
+from agentevo.algorithms.qevolve.recipe import (
     Dataset,
     RerankActor,
     StepLabels,
@@ -26,7 +27,6 @@ from agentevo.algorithms.qevolve import (
     spearman,
     step_labels,
 )
-from agentevo.algorithms.qevolve_config import QEvolveConfig
 from agentevo.config import load_config
 from agentevo.data.tensors import collate, reply_logprobs
 from agentevo.data.types import Step, Trajectory
@@ -409,7 +409,7 @@ def test_lora_policy_rounds_share_the_bc_base(tiny_policy, tmp_path) -> None:  #
 def test_round1_data_from_copies_the_collection_and_checks_settings(tmp_path) -> None:  # noqa: ANN001
     import json
 
-    from agentevo.algorithms.qevolve import import_round1_data
+    from agentevo.algorithms.qevolve.recipe import import_round1_data
     from agentevo.config import load_config
     from agentevo.data.types import Step, Trajectory
     from agentevo.envs.base import Task
@@ -450,7 +450,7 @@ def test_round1_data_from_copies_the_collection_and_checks_settings(tmp_path) ->
 def test_flagged_gap_under_other_process_rewards_by_hand() -> None:
     """The diagnostic's what-if rows: the normalised flagged-minus-other advantage gap under lam 0 (TD), from the
     same critic values, checked by hand; the run's own setting is not repeated; the report names passing ones."""
-    from agentevo.algorithms.qevolve import flagged_gap_alternatives, step_labels
+    from agentevo.algorithms.qevolve.recipe import flagged_gap_alternatives, step_labels
     from agentevo.eval import diagnostics as dg
 
     a = _traj(None, ["take knife", "eat knife", "eat meal"], signals=["none", "invalid", "none"], final=1.0)

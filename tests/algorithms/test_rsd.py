@@ -15,7 +15,20 @@ from torch.testing import assert_close
 
 from agentevo.agent.prompt import expert_reply, parse_action
 from agentevo.algorithms import losses
-from agentevo.algorithms.rsd import (
+from agentevo.algorithms.rsd.config import RSDConfig
+from agentevo.algorithms.rsd.context import (
+    ContextRule,
+    LLMProposer,
+    accept_rule,
+    assemble_context,
+    context_messages,
+    context_prompt_ids,
+    future_hindsight,
+    parse_rule_json,
+    random_rule,
+    rank_precedents,
+)
+from agentevo.algorithms.rsd.recipe import (
     TeacherCache,
     TeacherState,
     _rule_step,
@@ -31,20 +44,7 @@ from agentevo.algorithms.rsd import (
     topk_divergence,
     update_teacher,
 )
-from agentevo.algorithms.rsd_config import RSDConfig
-from agentevo.algorithms.rsd_context import (
-    ContextRule,
-    LLMProposer,
-    accept_rule,
-    assemble_context,
-    context_messages,
-    context_prompt_ids,
-    future_hindsight,
-    parse_rule_json,
-    random_rule,
-    rank_precedents,
-)
-from agentevo.algorithms.writers import LLMWriter, OpenAIChatClient, RuleWriter
+from agentevo.algorithms.rsd.writers import LLMWriter, OpenAIChatClient, RuleWriter
 from agentevo.data.store import ExperienceStore
 from agentevo.data.tensors import collate, trajectory_samples
 from agentevo.data.types import Step, Trajectory
@@ -500,7 +500,7 @@ def test_openai_client_and_llm_writer_against_a_local_stub() -> None:
 
 
 def test_flagged_step_auc_on_a_hand_made_cache() -> None:
-    from agentevo.algorithms.rsd import flagged_step_auc
+    from agentevo.algorithms.rsd.recipe import flagged_step_auc
 
     # two episodes, 3 + 2 steps, replies of 1-2 tokens; steps 2 of each are flagged by the environment
     a = _traj(None, ["take knife", "take knife", "eat meal"], signals=["none", "repeat", "none"])
@@ -518,7 +518,7 @@ def test_flagged_step_auc_on_a_hand_made_cache() -> None:
 
 
 def test_outcome_separation_on_a_hand_made_cache() -> None:
-    from agentevo.algorithms.rsd import check_premise, outcome_separation
+    from agentevo.algorithms.rsd.recipe import check_premise, outcome_separation
     from agentevo.errors import AgentevoError
 
     win = _traj(None, ["take knife", "eat meal"])

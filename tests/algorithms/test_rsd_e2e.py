@@ -17,7 +17,7 @@ TINY = [
 
 @pytest.mark.slow
 def test_rsd_recipe_end_to_end_and_resume(tmp_path) -> None:  # noqa: ANN001
-    from agentevo.algorithms import rsd
+    from agentevo.algorithms.rsd import recipe as rsd
     from agentevo.run import Run
 
     cfg = load_config("configs/rsd_twx.yaml", [*TINY, "rsd.rule_search=random", "rsd.probe_tasks=2",
@@ -83,7 +83,7 @@ def test_rsd_baselines_end_to_end(tmp_path, method: str) -> None:  # noqa: ANN00
 def test_rsd_base_shared_through_warm_start_from(tmp_path) -> None:  # noqa: ANN001
     """A second seed or arm imports a finished run's demos, BC and context-aware base (ctx-bc) instead of training its
     own; the rule's whitelisted knobs may differ (ablations keep the base), the ctx warm-start settings may not."""
-    from agentevo.algorithms import rsd
+    from agentevo.algorithms.rsd import recipe as rsd
     from agentevo.config import ConfigError
     from agentevo.run import Run
 
@@ -126,8 +126,8 @@ def test_rsd_base_shared_through_warm_start_from(tmp_path) -> None:  # noqa: ANN
 def test_bon_sft_practises_on_new_tasks_and_keeps_the_demos(tmp_path) -> None:  # noqa: ANN001
     """BoN + SFT from a finished BC run on more training tasks than it had (its demos pinned by bc.n_expert), and the
     expert-iteration form (rsd.bon_with_expert) adds exactly the demos' rows to the kept samples' rows."""
-    from agentevo.algorithms import bon_sft
     from agentevo.algorithms.bc import expert_samples, warm_start
+    from agentevo.algorithms.rsd.recipe import bon_sft as bon_sft
     from agentevo.config import ConfigError
     from agentevo.recipes import get_recipe
     from agentevo.run import Run
@@ -184,7 +184,7 @@ def test_bon_sft_practises_on_new_tasks_and_keeps_the_demos(tmp_path) -> None:  
 
 
 def test_bon_sft_rounds_act_with_the_latest_policy_and_accumulate_kept_samples(tmp_path) -> None:  # noqa: ANN001
-    from agentevo.algorithms import bon_sft
+    from agentevo.algorithms.rsd.recipe import bon_sft as bon_sft
     from agentevo.run import Run
 
     cfg = load_config("configs/rsd_twx.yaml", [*TINY, "env.params.max_steps=8", "rsd.ctx_warm_start=false",

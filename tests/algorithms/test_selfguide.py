@@ -8,8 +8,8 @@ import torch
 
 from agentevo.agent.prompt import HistoryTurn, parse_action
 from agentevo.algorithms.advantages import trust_weight
-from agentevo.algorithms.grpo import label_sample
-from agentevo.algorithms.selfguide import (
+from agentevo.algorithms.grpo.recipe import label_sample
+from agentevo.algorithms.selfguide.recipe import (
     GuidedActor,
     auc,
     detour_flags,
@@ -230,7 +230,7 @@ def test_guide_stats_distribution_and_calibration(tiny_policy) -> None:  # noqa:
 def test_selfguide_recipe_one_update_end_to_end(tmp_path, capsys) -> None:  # noqa: ANN001
     import json
 
-    from agentevo.algorithms.selfguide import run as selfguide_run
+    from agentevo.algorithms.selfguide.recipe import run as selfguide_run
     from agentevo.config import load_config
     from agentevo.run import Run
     smoke = [

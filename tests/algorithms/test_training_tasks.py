@@ -34,7 +34,7 @@ def test_tree_task_indices_first_and_spread() -> None:
 def test_grpo_task_order_sequential_or_one_seeded_permutation() -> None:
     import pytest
 
-    from agentevo.algorithms.grpo import task_order, update_tasks
+    from agentevo.algorithms.grpo.recipe import task_order, update_tasks
     from agentevo.envs.base import Task
     from agentevo.errors import ConfigError
 
@@ -51,7 +51,7 @@ def test_grpo_task_order_sequential_or_one_seeded_permutation() -> None:
 
 
 def test_qevolve_tasks_per_round_draws_a_fixed_subset_per_round(tmp_path) -> None:  # noqa: ANN001
-    from agentevo.algorithms.qevolve import self_tasks
+    from agentevo.algorithms.qevolve.recipe import self_tasks
     from agentevo.run import Run
 
     cfg = load_config(None, ["env.n_train=8", "env.n_test=1", "env.params={max_steps: 15}", "qevolve.tasks_per_round=3",

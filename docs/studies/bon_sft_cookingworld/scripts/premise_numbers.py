@@ -5,7 +5,7 @@ Usage: python docs/studies/bon_sft_cookingworld/scripts/premise_numbers.py runs/
 import json
 import sys
 
-from agentevo.algorithms.bon_sft import bon_premise_numbers, round_names
+from agentevo.algorithms.rsd.bon_sft import bon_premise_numbers, round_names
 from agentevo.data.store import ExperienceStore
 
 for run in sys.argv[1:]:

@@ -2,13 +2,16 @@
 its greedy decode shows? Usage:
 python docs/studies/bon_sft_cookingworld/scripts/sampled_eval.py RUN_DIR CHECKPOINT SEED [T] [N_SAMPLES]
 (the study: runs/bc-s0 bc 0 0.7 1). Writes runs/diag/<run>-<checkpoint>-T<T>."""
-import json, shutil, sys
+import json
+import shutil
+import sys
 from pathlib import Path
+
 from agentevo.config import load_config
-from agentevo.run import Run
-from agentevo.rollout.engine import EpisodeRequest, PolicyActor
-from agentevo.models.backend import Sampling
 from agentevo.eval.metrics import summarize
+from agentevo.models.backend import Sampling
+from agentevo.rollout.engine import EpisodeRequest, PolicyActor
+from agentevo.run import Run
 
 src, ckpt, seed = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 temp = float(sys.argv[4]) if len(sys.argv) > 4 else 0.7

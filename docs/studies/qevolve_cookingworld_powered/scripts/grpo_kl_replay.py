@@ -1,8 +1,9 @@
 """Replay a GRPO run's first update offline and print the per-step k3 KL to the reference (the study's check that
 the logged KL is real drift). Usage: python docs/studies/qevolve_cookingworld_powered/scripts/grpo_kl_replay.py
 (edit RUN for another seed)."""
-from agentevo.algorithms import grpo
+from agentevo.algorithms.grpo import recipe as grpo
 from agentevo.run import Run
+
 RUN = "runs/grpo-s1"
 run = Run.open(RUN, quiet=True)
 cfg, g = run.cfg, run.cfg.grpo
@@ -12,8 +13,9 @@ ref = run.load_policy("bc").model.eval().requires_grad_(False)
 samples = []
 for group in grpo.split_groups(trajs):
     adv = grpo.outcome_advantages(grpo.group_returns(group, g), g)
-    if adv is None: continue
-    for traj, a in zip(group, adv.tolist()):
+    if adv is None:
+        continue
+    for traj, a in zip(group, adv.tolist(), strict=True):
         samples += grpo.outcome_samples(policy.renderer, traj, len(samples), a, g, 15, 2048)
 grpo.add_ref_logprobs(ref, samples, policy.pad_id, 8)
 trainer = grpo.PolicyTrainer(policy, cfg, g)

@@ -12,7 +12,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from agentevo.algorithms.bc import expert_samples, nll_loss
-from agentevo.algorithms.rsd import prepare_base, rsd_rounds
+from agentevo.algorithms.rsd.recipe import prepare_base, rsd_rounds
 from agentevo.data.types import Trajectory
 from agentevo.eval.metrics import summarize
 from agentevo.rollout.engine import EpisodeRequest, ExpertActor

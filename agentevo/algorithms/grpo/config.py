@@ -1,4 +1,4 @@
-"""GRPO and Self-Guide configuration (methods-spec sections 3.2-3.4 and 5).
+"""GRPO / DAPO configuration (methods-spec sections 3.2 and 5).
 
 Every field carries its provenance tag: [S] paper, [P:x] public source, [O] our choice, [I] inferred.
 """
@@ -8,24 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from agentevo.errors import ConfigError
-from agentevo.options import option
+from agentevo.options import check_choice, option
 
 ALGOS = ("grpo", "dapo")
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 TASK_ORDERS = ("sequential", "shuffled")
 PENALTY_MODES = ("return", "step")
 PENALTY_SIGNALS = ("format", "invalid", "repeat")
-GUIDE_MODES = ("none", "infer_only", "train")  # spec's "off" is "none": YAML 1.1 reads a bare off as false
-SCHEDULES = ("staged", "constant", "none")
-HISTORY_GUIDES = ("staged", "none", "last", "all")
-GUIDE_TOKENS_ADV = ("env", "combined")
-INT_NORMS = ("group", "none")
-GUIDE_POSITIONS = ("before", "after")
-
-
-def _choice(section: str, name: str, value: object, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{section}.{name} must be one of {', '.join(allowed)} (got {value!r})")
 
 
 @dataclass
@@ -81,12 +70,12 @@ class GRPOConfig:
         return self.algo == "dapo"
 
     def validate(self) -> None:
-        _choice("grpo", "algo", self.algo, ALGOS)
-        _choice("grpo", "loss_agg", self.loss_agg, LOSS_AGGS)
-        _choice("grpo", "task_order", self.task_order, TASK_ORDERS)
-        _choice("grpo", "penalty_mode", self.penalty_mode, PENALTY_MODES)
+        check_choice("grpo", "algo", self.algo, ALGOS)
+        check_choice("grpo", "loss_agg", self.loss_agg, LOSS_AGGS)
+        check_choice("grpo", "task_order", self.task_order, TASK_ORDERS)
+        check_choice("grpo", "penalty_mode", self.penalty_mode, PENALTY_MODES)
         for sig in self.penalty_signals:
-            _choice("grpo", "penalty_signals[]", sig, PENALTY_SIGNALS)
+            check_choice("grpo", "penalty_signals[]", sig, PENALTY_SIGNALS)
         if self.group_size < 2:
             raise ConfigError(f"grpo.group_size must be >= 2 for group-normalised advantages (got {self.group_size})")
         for name in ("n_updates", "tasks_per_update", "ppo_epochs", "eval_every"):
@@ -108,50 +97,3 @@ class GRPOConfig:
             raise ConfigError(
                 f"grpo.batch_size ({self.batch_size}) must be a positive multiple of grpo.micro_batch_size "
                 f"({self.micro_batch_size})")
-
-
-@dataclass
-class SelfGuideConfig:
-    """Self-Guide on top of GRPO (methods-spec section 3; the method section is not public, hence mostly [I]/[O])."""
-
-    guide: str = option(
-        "'none' (the spec's off): no guide line (env-only GRPO from the same demos); 'infer_only': guide-BC warm "
-        "start and evaluation, no RL; 'train': Self-Guide + GRPO [I]", "train")
-    lambda_max: float = option("maximum trust weight of the internal advantage [O: 0.5]", 0.5, ge=0)
-    schedule: str = option("trust schedule of lambda: staged | constant (lambda_max from update 1) | none (lambda=0) [I]",
-                           "staged")
-    breakpoints: tuple[float, float] = option("stage breakpoints as fractions of the updates [O: 20% / 50%]",
-                                              (0.2, 0.5), ge=0, le=1)
-    gamma_int: float = option("discount of the internal return-to-go [O: 0.95]", 0.95, ge=0, le=1)
-    int_norm: str = option("normalisation of the internal return: group (over all steps of the group) | none [I]",
-                           "group")
-    guide_tokens_adv: str = option("advantage of the guide tokens: env (outcome only) | combined (hacking ablation) [I]",
-                                   "env")
-    history_guides: str = option(
-        "past guides kept in the prompt's history: staged (I: none, II: last one, III: all) | none | last | all [I]",
-        "staged")
-    guide_position: str = option("'before' the Thought (steers the action) | 'after' the Action (reward without "
-                                 "conditioning ablation) [I]", "before")
-    guide_max_tokens: int = option("tokens added to agent.max_new_tokens for the guide line [O: 64]", 64, ge=1)
-    demo_detour_prob: float = option(
-        "guide-BC stand-in: probability that a demo step is replaced by a scripted detour (invalid or idle action) "
-        "so demos show 'bad' verdicts; detour replies are not trained on [O]", 0.15, ge=0, lt=1)
-
-    def validate(self) -> None:
-        _choice("selfguide", "guide", self.guide, GUIDE_MODES)
-        _choice("selfguide", "schedule", self.schedule, SCHEDULES)
-        _choice("selfguide", "int_norm", self.int_norm, INT_NORMS)
-        _choice("selfguide", "guide_tokens_adv", self.guide_tokens_adv, GUIDE_TOKENS_ADV)
-        _choice("selfguide", "history_guides", self.history_guides, HISTORY_GUIDES)
-        _choice("selfguide", "guide_position", self.guide_position, GUIDE_POSITIONS)
-        if self.lambda_max < 0:
-            raise ConfigError(f"selfguide.lambda_max must be >= 0 (got {self.lambda_max})")
-        lo, hi = self.breakpoints
-        if not 0 <= lo <= hi <= 1:
-            raise ConfigError(f"selfguide.breakpoints must satisfy 0 <= lo <= hi <= 1 (got {self.breakpoints})")
-        if not 0 <= self.gamma_int <= 1:
-            raise ConfigError(f"selfguide.gamma_int must be in [0, 1] (got {self.gamma_int})")
-        if self.guide_max_tokens < 1:
-            raise ConfigError(f"selfguide.guide_max_tokens must be >= 1 (got {self.guide_max_tokens})")
-        if not 0 <= self.demo_detour_prob < 1:
-            raise ConfigError(f"selfguide.demo_detour_prob must be in [0, 1) (got {self.demo_detour_prob})")

@@ -35,7 +35,7 @@ from agentevo.agent.prompt import build_messages
 from agentevo.algorithms import advantages as adv_math
 from agentevo.algorithms import losses
 from agentevo.algorithms.bc import ensure_reply_ids, warm_start
-from agentevo.algorithms.qevolve_config import QEvolveConfig
+from agentevo.algorithms.qevolve.config import QEvolveConfig
 from agentevo.data.store import ExperienceStore
 from agentevo.data.tensors import StepSample, collate, reply_logprobs, trajectory_samples
 from agentevo.data.types import Trajectory

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from agentevo.algorithms.bc import expert_samples, nll_loss
-from agentevo.algorithms.rsd import prepare_base, round_tasks, sampling_actor
+from agentevo.algorithms.rsd.recipe import prepare_base, round_tasks, sampling_actor
 from agentevo.data.types import Trajectory
 from agentevo.envs.base import Task
 from agentevo.eval.metrics import summarize

@@ -12,9 +12,9 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING, Any
 
-from agentevo.algorithms.rsd import eval_splits, prepare_base, round_tasks, sampling_actor
-from agentevo.algorithms.rsd_context import ContextRule, evaluate_with_context, lesson_inputs, pre_action_context_fn
-from agentevo.algorithms.writers import make_writer
+from agentevo.algorithms.rsd.context import ContextRule, evaluate_with_context, lesson_inputs, pre_action_context_fn
+from agentevo.algorithms.rsd.recipe import eval_splits, prepare_base, round_tasks, sampling_actor
+from agentevo.algorithms.rsd.writers import make_writer
 from agentevo.eval.metrics import summarize
 from agentevo.rollout.engine import EpisodeRequest
 

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from agentevo.agent.chat import Message
 from agentevo.agent.prompt import HistoryTurn, build_messages
-from agentevo.algorithms.rsd_config import POSITIONS, RETRIEVALS
-from agentevo.algorithms.writers import outcome_text
+from agentevo.algorithms.rsd.config import POSITIONS, RETRIEVALS
+from agentevo.algorithms.rsd.writers import outcome_text
 from agentevo.data.store import content_words
 from agentevo.data.tensors import StepSample
 from agentevo.data.types import Trajectory

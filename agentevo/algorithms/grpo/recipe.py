@@ -40,7 +40,7 @@ from agentevo import dist
 from agentevo.algorithms import losses
 from agentevo.algorithms.advantages import group_normalise
 from agentevo.algorithms.bc import warm_start
-from agentevo.algorithms.grpo_config import GRPOConfig
+from agentevo.algorithms.grpo.config import GRPOConfig
 from agentevo.data.tensors import StepSample, collate, trajectory_samples
 from agentevo.data.types import Step, Trajectory
 from agentevo.envs.base import Task

@@ -13,7 +13,7 @@ Each reply is
     A_{i,t}      = A_env_i + λ(k) · Â_int_{i,t}      on the Thought + Action tokens of step t
     A_guide_{i,t}= A_env_i                           on the Guide tokens (outcome only: no self-reward)
 
-and the GRPO/DAPO loss of agentevo.algorithms.grpo. λ(k) follows the stage-wise trust schedule (I: λ=0, past
+and the GRPO/DAPO loss of agentevo.algorithms.grpo.recipe. λ(k) follows the stage-wise trust schedule (I: λ=0, past
 guides dropped from the history; II: λ ramps to λ_max, the last past guide kept; III: λ_max, all guides kept).
 
 The recipe:
@@ -50,7 +50,7 @@ from agentevo.algorithms.advantages import (
     trust_weight,
 )
 from agentevo.algorithms.bc import WARM_START_PHASES, _TextOnlyRenderer, import_warm_start, nll_loss
-from agentevo.algorithms.grpo import (
+from agentevo.algorithms.grpo.recipe import (
     Labelled,
     PolicyTrainer,
     UpdateLoop,
@@ -71,7 +71,7 @@ from agentevo.algorithms.grpo import (
     task_order,
     update_tasks,
 )
-from agentevo.algorithms.grpo_config import SelfGuideConfig
+from agentevo.algorithms.selfguide.config import SelfGuideConfig
 from agentevo.data.tensors import StepSample, trajectory_samples
 from agentevo.data.types import Step, Trajectory
 from agentevo.envs.base import SIGNAL_FORMAT, SIGNAL_INVALID, SIGNAL_REPEAT

@@ -40,7 +40,7 @@ from agentevo.algorithms.bc import (
     nll_loss,
     warm_start,
 )
-from agentevo.algorithms.rsd_context import (
+from agentevo.algorithms.rsd.context import (
     ContextRule,
     LLMProposer,
     Material,
@@ -59,8 +59,8 @@ from agentevo.algorithms.rsd_context import (
     render_precedent,
     step_contexts,
 )
-from agentevo.algorithms.selfguide import GuidedExpertActor
-from agentevo.algorithms.writers import RuleWriter, http_client_from_config, make_writer
+from agentevo.algorithms.rsd.writers import RuleWriter, http_client_from_config, make_writer
+from agentevo.algorithms.selfguide.recipe import GuidedExpertActor
 from agentevo.data.tensors import StepSample, collate, trajectory_samples
 from agentevo.data.types import Step, Trajectory
 from agentevo.envs.base import SIGNAL_NONE, Task, sample_tasks

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from agentevo.algorithms.rsd import prepare_base
-from agentevo.algorithms.writers import make_writer
+from agentevo.algorithms.rsd.recipe import prepare_base
+from agentevo.algorithms.rsd.writers import make_writer
 from agentevo.data.types import Trajectory
 from agentevo.eval.metrics import summarize
 from agentevo.models.backend import Sampling
