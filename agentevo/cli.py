@@ -191,7 +191,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     from agentevo.eval.compare import compare
 
-    result = compare([Path(d) for d in args.run_dirs], args.split, Path(args.out), args.metric, args.baseline)
+    result = compare([Path(d) for d in args.run_dirs], args.split, Path(args.out), args.metric, args.baseline,
+                     baseline_point=args.baseline_point)
     for warning in result.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     print(result.table)
@@ -322,6 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dirs", nargs="+")
     p.add_argument("--baseline", metavar="ARM",
                    help="arm the others are compared with, by name without -sN (default: the first arm)")
+    p.add_argument("--baseline-point", metavar="LABEL",
+                   help="instead of another arm, pair each run with its own evaluation at LABEL (e.g. bc: the start "
+                        "it evolved from), so no separate baseline runs are needed")
     p.add_argument("--split", default="test")
     p.add_argument("--out", default="runs/compare", help="folder for compare.md and compare.png")
     p.add_argument("--metric", default="success", choices=list(METRICS),

@@ -145,6 +145,24 @@ def test_paired_difference_vs_baseline_by_hand(tmp_path: Path, capsys: pytest.Ca
     assert "exact sign test on the per-task score differences" in result.text
 
 
+def test_baseline_point_pairs_each_run_with_its_own_start(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    runs = _paired_runs(tmp_path)
+    result = compare(runs, "test", tmp_path / "out", baseline_point="bc")
+    # qe's own bc -> round-1: s0 1000 -> 1110, s1 1100 -> 1101: the same cells as vs `base` above, so the same
+    # numbers (+37.5 [+12.5, +50.0], 3 better / 0 worse, p = 2 / 2^3); `base` has no bc point and says so
+    assert result.paired_table.splitlines()[2:] == [
+        "| base | round-1 vs bc | not paired: no evaluation at 'bc' in this arm | | | | | |",
+        "| qe | round-1 vs bc | 2 | 4 | +37.5 | [+12.5, +50.0] | 3 / 0 | 0.25 |"]
+    assert result.sentences[1].startswith("- **qe** (round-1): difference vs its own bc: +37.5 points [+12.5, +50.0]")
+    assert "each run paired with itself" in result.text
+    assert main(["compare", *map(str, runs[2:]), "--baseline-point", "bc", "--out", str(tmp_path / "o2")]) == 0
+    assert "| qe | round-1 vs bc | 2 | 4 | +37.5 |" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="--baseline-point 'init': no arm has an evaluation with that label"):
+        compare(runs, "test", tmp_path / "o3", baseline_point="init")
+    with pytest.raises(ConfigError, match="not both"):
+        compare(runs, "test", tmp_path / "o4", baseline="base", baseline_point="bc")
+
+
 def test_interval_including_zero_is_worded_honestly(tmp_path: Path) -> None:
     runs = [_run(tmp_path, "a-s0", {"bc": 0.5}, outcomes={"bc": [1, 0]}),
             _run(tmp_path, "b-s0", {"bc": 0.5}, outcomes={"bc": [0, 1]})]

@@ -284,6 +284,19 @@ def paired_rows(groups: list[Group], base: Group, split: str, metric: str, n_boo
     return rows
 
 
+def within_run_rows(groups: list[Group], point: str, split: str, metric: str, n_boot: int = N_BOOT) -> list[Paired]:
+    """Each arm's evaluation points against the same runs' own evaluation at `point` (e.g. `bc`, the start every
+    run evolved from): seeds pair with themselves, so no separate baseline runs are needed."""
+    rows = []
+    for g in groups:
+        if point not in g.points:
+            rows.append(Paired(g.name, list(g.points)[-1] if g.points else "-", point, None,
+                               f"no evaluation at {point!r} in this arm"))
+            continue
+        rows += [pair_arms(g, g, label, point, split, metric, n_boot) for label in g.points if label != point]
+    return rows
+
+
 def _point_name(p: Paired) -> str:
     return p.label if p.label == p.base_label else f"{p.label} vs {p.base_label}"
 
@@ -304,8 +317,10 @@ def paired_table(rows: list[Paired]) -> str:
 
 
 def paired_sentence(p: Paired, base: str) -> str:
-    """One line of prose for an arm's last evaluation vs the baseline's, with honest wording about the interval."""
-    head = f"- **{p.arm}** ({p.label}; {base} at {p.base_label})"
+    """One line of prose for an arm's last evaluation vs the baseline's, with honest wording about the interval.
+    An empty `base` means the arm's own runs at p.base_label (compare's baseline_point)."""
+    head = f"- **{p.arm}** ({p.label}; {base} at {p.base_label})" if base else f"- **{p.arm}** ({p.label})"
+    base = base or f"its own {p.base_label}"
     r = p.result
     if r is None:
         return f"{head}: not paired with {base} ({p.reason})."
@@ -368,14 +383,18 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def compare(run_dirs: list[Path], split: str, out: Path, metric: str = "success", baseline: str | None = None,
-            n_boot: int = N_BOOT) -> Comparison:
-    """Write out/compare.md and out/compare.png: per-seed values, mean ± sd, paired differences vs the baseline."""
+            n_boot: int = N_BOOT, baseline_point: str | None = None) -> Comparison:
+    """Write out/compare.md and out/compare.png: per-seed values, mean ± sd, paired differences vs the baseline arm,
+    or with `baseline_point` vs each run's own evaluation at that label."""
     if metric not in METRICS:
         raise ConfigError(f"--metric must be one of {', '.join(METRICS)} (got {metric!r})")
     if not run_dirs:
         raise ConfigError("give at least one run folder: agentevo compare runs/A-s0 runs/A-s1 runs/B-s0 ...")
     groups = group_runs(run_dirs, split)
     names = [g.name for g in groups]
+    if baseline is not None and baseline_point is not None:
+        raise ConfigError("give --baseline ARM (pair with another arm) or --baseline-point LABEL (pair each run with "
+                          "its own evaluation at LABEL), not both")
     if baseline is not None and baseline not in names:
         raise ConfigError(f"--baseline {baseline!r} is not one of the arms ({', '.join(names)}); give an arm name "
                           "without its -sN suffix")
@@ -391,10 +410,15 @@ def compare(run_dirs: list[Path], split: str, out: Path, metric: str = "success"
         warnings.append(f"this table mixes environments ({', '.join(envs)}): their numbers are not comparable, and "
                         "arms of another environment than the baseline's are not paired")
     table = markdown_table(groups, labels, metric)
-    rows = paired_rows(groups, base, split, metric, n_boot)
+    if baseline_point is not None and all(baseline_point not in g.points for g in groups):
+        raise ConfigError(f"--baseline-point {baseline_point!r}: no arm has an evaluation with that label; give one of "
+                          f"{', '.join(labels)}")
+    rows = (within_run_rows(groups, baseline_point, split, metric, n_boot) if baseline_point is not None
+            else paired_rows(groups, base, split, metric, n_boot))
     p_table = paired_table(rows) if rows else ""
     finals = {p.arm: p for p in rows}  # an arm's last row is its last evaluation vs the baseline's last
-    sentences = [paired_sentence(finals[g.name], base.name) for g in groups if g.name in finals]
+    base_name = "" if baseline_point is not None else base.name
+    sentences = [paired_sentence(finals[g.name], base_name) for g in groups if g.name in finals]
     plot_groups(groups, labels, out / "compare.png", metric)
     runs = ", ".join(f"`{d}`" for d in run_dirs)
     test = ("exact McNemar (sign) test on the discordant tasks" if metric == "success" else
@@ -404,11 +428,15 @@ def compare(run_dirs: list[Path], split: str, out: Path, metric: str = "success"
     text += (f"{METRICS[metric].capitalize()}: mean ± sd over seeds, then each seed's value in the order of the "
              f"`seeds` column:\n\n{table}\n\n")
     if rows:
-        text += (f"Paired differences vs `{base.name}` (arm − baseline, points): seeds paired by their -sN index, "
+        against = (f"each run's own `{baseline_point}` evaluation (arm at a later point − the same run at "
+                   f"`{baseline_point}`, points): each run paired with itself" if baseline_point is not None else
+                   f"`{base.name}` (arm − baseline, points): seeds paired by their -sN index")
+        text += (f"Paired differences vs {against}, "
                  f"tasks by id; 95% interval from a bootstrap over tasks ({n_boot} resamples, RNG seed {BOOT_SEED}, "
                  f"seed pairs kept); better / worse counts (seed pair, task) cells; p from the two-sided {test}, "
                  f"pooled over seed pairs:\n\n{p_table}\n\n" + "\n".join(sentences) + "\n\n")
     text += "![comparison](compare.png)\n"
     path = out / "compare.md"
     _write_atomic(path, text)
-    return Comparison(path, base.name, table, p_table, sentences, warnings, text)
+    return Comparison(path, f"own {baseline_point}" if baseline_point is not None else base.name, table, p_table,
+                      sentences, warnings, text)
