@@ -50,7 +50,7 @@ def test_messages_are_the_prompts_agentevo_renders() -> None:
     traj = _traj("a", "self", ["open fridge", "take egg", "eat egg"], 1.0, prefix="Hint.\n")
     full = ex.conversation(traj)
     assert full == [
-        {"role": "user", "content": "Cook a meal.\n\nHint.\no1"},
+        {"role": "user", "content": "Cook a meal.\n\nHint.\n\no1"},
         {"role": "assistant", "content": "Thought: t1\nAction: open fridge"},
         {"role": "user", "content": "Observation: o2"},
         {"role": "assistant", "content": "Thought: t2\nAction: take egg"},
@@ -64,14 +64,14 @@ def test_messages_are_the_prompts_agentevo_renders() -> None:
     rows = ex.messages_rows([traj], window=1)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[2]["messages"] == [
-        {"role": "user", "content": "Cook a meal.\n\nHint.\nGoal: cook\n(1 earlier steps omitted.)\nObservation: o2"},
+        {"role": "user", "content": "Cook a meal.\n\nHint.\n\nGoal: cook\n(1 earlier steps omitted.)\nObservation: o2"},
         {"role": "assistant", "content": "Thought: t2\nAction: take egg"},
         {"role": "user", "content": "Observation: o3"},
         {"role": "assistant", "content": "Thought: t3\nAction: eat egg"},
     ]
     pc = ex.prompt_completion_rows([traj], window=0)
     assert pc[1]["prompt"] == [
-        {"role": "user", "content": "Cook a meal.\n\nHint.\nGoal: cook\n(1 earlier steps omitted.)\nObservation: o2"}]
+        {"role": "user", "content": "Cook a meal.\n\nHint.\n\nGoal: cook\n(1 earlier steps omitted.)\nObservation: o2"}]
     assert pc[1]["completion"] == [{"role": "assistant", "content": "Thought: t2\nAction: take egg"}]
     assert (pc[1]["reward"], pc[1]["score"], pc[1]["signal"], pc[2]["done"]) == (0.25, 0.5, "repeat", True)
     assert {k: pc[0][k] for k in ("task_id", "env", "split", "source", "policy_id", "success", "final_reward")} == {

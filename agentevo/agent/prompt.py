@@ -43,7 +43,9 @@ def build_messages(
     from, so the conversation stays coherent. `prefix` is extra context placed before the task (e.g. a
     privileged context for a teacher, or precedents at inference).
     """
-    head = f"{instruction}\n\n{prefix}" if prefix else f"{instruction}\n\n"
+    # A blank line after the prefix, whether or not it ends with a newline: a context's last line must not run
+    # into the observation ("...score 0.00).Open the vault...").
+    head = f"{instruction}\n\n{prefix.rstrip()}\n\n" if prefix.strip() else f"{instruction}\n\n"
     kept = history[-window:] if window > 0 else []
     dropped = len(history) - len(kept)
     if dropped == 0:

@@ -344,7 +344,11 @@ def test_context_positions(tiny_policy) -> None:  # noqa: ANN001
     sys_msgs = context_messages("I", "g", "obs1", hist, 5, "C", "system")
     assert sys_msgs[0].role == "system" and sys_msgs[1:] == plain
     before = context_messages("I", "g", "obs1", hist, 5, "C", "before_history")
-    assert before[0].text == "I\n\nCobs1" and before[1:] == plain[1:]
+    # a blank line between the context and the observation (it used to run into it: "I\n\nCobs1")
+    assert before[0].text == "I\n\nC\n\nobs1" and before[1:] == plain[1:]
+    assert context_messages("I", "g", "obs1", hist, 5, "C\n", "before_history")[0].text == "I\n\nC\n\nobs1"
+    first = context_messages("I", "g", "obs1", [], 5, "C", "before_current_step")
+    assert [m.text for m in first] == ["I\n\nC\n\nobs1"]
     cur = context_messages("I", "g", "obs1", hist, 5, "C", "before_current_step")
     assert cur[:-1] == plain[:-1] and cur[-1].text == "C\n\nObservation: obs2"
 
