@@ -363,7 +363,8 @@ def test_rsd_variant_changes_what_it_claims(rsd_full: Path, tmp_path, flag: str)
     rounds = 2 if flag.startswith("rsd.teacher") else 1
     # always_follow differs from follow_freeze only after a drop: a step size that breaks the round-1 student
     # (rsd.lr=0.3) makes follow_freeze freeze at the base (run 'freeze'), while always_follow keeps following
-    extra = ["rsd.lr=0.3"] if flag.endswith("always_follow") else []
+    # (schedule metric on the test split: the base solves none of the dev vaults, so dev cannot show a drop)
+    extra = ["rsd.lr=0.3", "rsd.metric_split=test"] if flag.endswith("always_follow") else []
     base = [*RSD, f"rsd.rounds={rounds}", *extra, f"bc.warm_start_from={rsd_full}"]
     # the full run's context has no precedents: random retrieval shows them to the teacher (same base: a rule knob)
     shown = ["rsd.components=[prec,future]"] if flag == "rsd.retrieval=random" else []
@@ -399,7 +400,7 @@ def test_rsd_variant_changes_what_it_claims(rsd_full: Path, tmp_path, flag: str)
         if extra:
             ref = tmp_path / "freeze"
             run_probe("rsd", "probe-hindsight", base, tmp_path, "freeze")
-            m = [_state(ref)[p]["dev"]["success_rate"] for p in ("eval/base", "eval/round-1")]
+            m = [_state(ref)[p]["test"]["success_rate"] for p in ("eval/base", "eval/round-1")]
             assert m[1] < m[0] and _state(ref)["round-1/schedule"]["frozen"], m
         ref_t, my_t = _state(ref)["round-2/teacher"]["teacher"], _state(mine)["round-2/teacher"]["teacher"]
         assert ref_t == ("ctx-bc" if ref != rsd_full else "round-1"), ref_t  # follow_freeze froze / followed
