@@ -486,6 +486,20 @@ class UpdateLoop:
     log_name: str
 
 
+def start_update_loop(run: Run, log_name: str) -> tuple[UpdateLoop, list[Task]]:
+    """π_0 = π_ref = the BC checkpoint, the trainer resumed from checkpoints/latest, and the training tasks in the
+    order the updates take them (grpo.task_order)."""
+    cfg, g = run.cfg, run.cfg.grpo
+    check_on_policy_backend(run)
+    policy = run.load_policy("bc", policy_id="bc")
+    ref_model = run.load_policy("bc").model.eval().requires_grad_(False)
+    trainer = PolicyTrainer(policy, cfg, g)
+    latest = run.checkpoint_dir("latest")
+    done = (trainer.restore(latest) or {}).get("update", 0)
+    loop = UpdateLoop(policy, ref_model, trainer, latest, done, grpo_loss(g), log_name)
+    return loop, task_order(run.tasks("train"), g.task_order, cfg.seed)
+
+
 def run_updates(
     run: Run,
     loop: UpdateLoop,
@@ -558,13 +572,8 @@ def run(run: Run) -> dict[str, Any]:
     cfg, g = run.cfg, run.cfg.grpo
     # 0. Warm start: π_0 = π_ref = BC.
     results: dict[str, Any] = dict(warm_start(run))
-    check_on_policy_backend(run)
-    policy = run.load_policy("bc", policy_id="bc")
-    ref_model = run.load_policy("bc").model.eval().requires_grad_(False)
-    trainer = PolicyTrainer(policy, cfg, g)
-    latest = run.checkpoint_dir("latest")
-    done = (trainer.restore(latest) or {}).get("update", 0)
-    train_tasks = task_order(run.tasks("train"), g.task_order, cfg.seed)
+    loop, train_tasks = start_update_loop(run, "grpo/update")
+    policy, trainer = loop.policy, loop.trainer
     window, max_len = cfg.agent.history_window, cfg.optim.max_length
     eval_points: list[tuple[str, dict[str, dict[str, Any]]]] = [("bc", results["eval/bc"])]
 
@@ -594,8 +603,7 @@ def run(run: Run) -> dict[str, Any]:
                             Sampling(0.0, max_new_tokens=cfg.agent.max_new_tokens))
         return evaluate_with(run, actor, f"update-{k}", pool, extra)
 
-    run_updates(run, UpdateLoop(policy, ref_model, trainer, latest, done, grpo_loss(g), "grpo/update"),
-                rollout_and_label, evaluate, results, eval_points)
+    run_updates(run, loop, rollout_and_label, evaluate, results, eval_points)
     plot = plot_success_vs_env_steps(run, eval_points, "success_vs_env_steps")
     results["plots"] = [str(plot)] if plot else []
     return results

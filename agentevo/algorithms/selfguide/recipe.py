@@ -52,23 +52,19 @@ from agentevo.algorithms.advantages import (
 from agentevo.algorithms.bc import WARM_START_PHASES, _TextOnlyRenderer, import_warm_start, nll_loss
 from agentevo.algorithms.grpo.recipe import (
     Labelled,
-    PolicyTrainer,
-    UpdateLoop,
     acting_policy,
-    check_on_policy_backend,
     evaluate_with,
     group_diagnostics,
     group_requests,
     group_returns,
-    grpo_loss,
     label_sample,
     outcome_advantages,
     plot_success_vs_env_steps,
     rollout_seed,
     run_updates,
     split_groups,
+    start_update_loop,
     step_penalties,
-    task_order,
     update_tasks,
 )
 from agentevo.algorithms.selfguide.config import SelfGuideConfig
@@ -509,13 +505,8 @@ def run(run: Run) -> dict[str, Any]:
         results["diag/premise"] = run.phase("diag/premise", lambda: premise_diagnostics(run, "bc", results["eval/bc"]))
     if sg.guide == "infer_only":
         return results
-    check_on_policy_backend(run)
-    policy = run.load_policy("bc", policy_id="bc")
-    ref_model = run.load_policy("bc").model.eval().requires_grad_(False)
-    trainer = PolicyTrainer(policy, cfg, g)
-    latest = run.checkpoint_dir("latest")
-    done = (trainer.restore(latest) or {}).get("update", 0)
-    train_tasks = task_order(run.tasks("train"), g.task_order, cfg.seed)
+    loop, train_tasks = start_update_loop(run, "selfguide/update")
+    policy, trainer = loop.policy, loop.trainer
     window, max_len = cfg.agent.history_window, cfg.optim.max_length
     max_new = cfg.agent.max_new_tokens + (sg.guide_max_tokens if with_guide else 0)
     mask_fn = make_masker(policy.tokenizer, sg.guide_position, with_guide)
@@ -569,8 +560,7 @@ def run(run: Run) -> dict[str, Any]:
     def evaluate(k: int, pool: Any, extra: dict[str, Any]) -> dict[str, dict[str, Any]]:
         return evaluate_guided(run, policy, f"update-{k}", schedule(k)[2], pool, extra)
 
-    run_updates(run, UpdateLoop(policy, ref_model, trainer, latest, done, grpo_loss(g), "selfguide/update"),
-                rollout_and_label, evaluate, results, eval_points)
+    run_updates(run, loop, rollout_and_label, evaluate, results, eval_points)
     plot = plot_success_vs_env_steps(run, eval_points, "success_vs_env_steps")
     results["plots"] = [str(plot)] if plot else []
     return results
