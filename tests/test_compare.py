@@ -155,6 +155,11 @@ def test_baseline_point_pairs_each_run_with_its_own_start(tmp_path: Path, capsys
         "| qe | round-1 vs bc | 2 | 4 | +37.5 | [+12.5, +50.0] | 3 / 0 | 0.25 |"]
     assert result.sentences[1].startswith("- **qe** (round-1): difference vs its own bc: +37.5 points [+12.5, +50.0]")
     assert "each run paired with itself" in result.text
+    # only the points after the start: an `init` evaluated before `bc` is not a result of the method
+    early = _run(tmp_path, "e-s0", {"init": 0.0, "bc": 0.5, "round-1": 0.5}, outcomes={
+        "init": [0, 0], "bc": [1, 0], "round-1": [0, 1]})
+    rows = compare([early], "test", tmp_path / "o5", baseline_point="bc").paired_table.splitlines()[2:]
+    assert rows == ["| e | round-1 vs bc | 1 | 2 | +0.0 | [-100.0, +100.0] | 1 / 1 | 1 |"]
     assert main(["compare", *map(str, runs[2:]), "--baseline-point", "bc", "--out", str(tmp_path / "o2")]) == 0
     assert "| qe | round-1 vs bc | 2 | 4 | +37.5 |" in capsys.readouterr().out
     with pytest.raises(ConfigError, match="--baseline-point 'init': no arm has an evaluation with that label"):

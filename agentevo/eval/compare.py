@@ -285,15 +285,16 @@ def paired_rows(groups: list[Group], base: Group, split: str, metric: str, n_boo
 
 
 def within_run_rows(groups: list[Group], point: str, split: str, metric: str, n_boot: int = N_BOOT) -> list[Paired]:
-    """Each arm's evaluation points against the same runs' own evaluation at `point` (e.g. `bc`, the start every
-    run evolved from): seeds pair with themselves, so no separate baseline runs are needed."""
+    """Each arm's evaluation points after `point` against the same runs' own evaluation at `point` (e.g. `bc`, the
+    start every run evolved from): seeds pair with themselves, so no separate baseline runs are needed."""
     rows = []
     for g in groups:
         if point not in g.points:
             rows.append(Paired(g.name, list(g.points)[-1] if g.points else "-", point, None,
                                f"no evaluation at {point!r} in this arm"))
             continue
-        rows += [pair_arms(g, g, label, point, split, metric, n_boot) for label in g.points if label != point]
+        later = list(g.points)[list(g.points).index(point) + 1:]  # what came after the start (not e.g. init)
+        rows += [pair_arms(g, g, label, point, split, metric, n_boot) for label in later]
     return rows
 
 
