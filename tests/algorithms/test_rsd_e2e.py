@@ -127,7 +127,7 @@ def test_bon_sft_practises_on_new_tasks_and_keeps_the_demos(tmp_path) -> None:  
     """BoN + SFT from a finished BC run on more training tasks than it had (its demos pinned by bc.n_expert), and the
     expert-iteration form (rsd.bon_with_expert) adds exactly the demos' rows to the kept samples' rows."""
     from agentevo.algorithms.bc import expert_samples, warm_start
-    from agentevo.algorithms.rsd.recipe import bon_sft as bon_sft
+    from agentevo.algorithms.rsd import bon_sft
     from agentevo.config import ConfigError
     from agentevo.recipes import get_recipe
     from agentevo.run import Run
@@ -184,7 +184,7 @@ def test_bon_sft_practises_on_new_tasks_and_keeps_the_demos(tmp_path) -> None:  
 
 
 def test_bon_sft_rounds_act_with_the_latest_policy_and_accumulate_kept_samples(tmp_path) -> None:  # noqa: ANN001
-    from agentevo.algorithms.rsd.recipe import bon_sft as bon_sft
+    from agentevo.algorithms.rsd import bon_sft
     from agentevo.run import Run
 
     cfg = load_config("configs/rsd_twx.yaml", [*TINY, "env.params.max_steps=8", "rsd.ctx_warm_start=false",
