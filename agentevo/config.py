@@ -19,7 +19,7 @@ from agentevo.algorithms.selfguide.config import SelfGuideConfig
 from agentevo.errors import ConfigError
 from agentevo.models.http_backend import HTTPConfig
 from agentevo.models.vllm_backend import VLLMConfig
-from agentevo.options import check_fields
+from agentevo.options import check_choice, check_fields
 from agentevo.options import option as _help
 
 BACKENDS = ("transformers", "vllm", "http")
@@ -126,8 +126,7 @@ class ModelConfig:
     http: HTTPConfig = _help("OpenAI-compatible server (backend = http)", factory=HTTPConfig)
 
     def validate(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ConfigError(f"model.backend must be one of {', '.join(BACKENDS)} (got {self.backend!r})")
+        check_choice("model", "backend", self.backend, BACKENDS)
         self.vllm.validate()
         self.http.validate()
         from agentevo.models import placement
@@ -179,8 +178,7 @@ class RolloutConfig:
                                          120.0, gt=0)
 
     def validate(self) -> None:
-        if self.workers not in WORKERS:
-            raise ConfigError(f"rollout.workers must be one of {', '.join(WORKERS)} (got {self.workers!r})")
+        check_choice("rollout", "workers", self.workers, WORKERS)
 
 
 @dataclass

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from agentevo.agent.chat import ChatRenderer
 from agentevo.agent.prompt import build_messages
 from agentevo.errors import AgentevoError, ConfigError
-from agentevo.options import check_fields, option
+from agentevo.options import check_choice, check_fields, option
 
 if TYPE_CHECKING:  # backend imports torch; this module stays light so config.py can import HTTPConfig
     from agentevo.models.backend import Generation, Sampling
@@ -71,8 +71,7 @@ class HTTPConfig:
 
     def validate(self) -> None:
         check_fields(self, "model.http")  # the ranges declared on the fields
-        if self.mode not in MODES:
-            raise ConfigError(f"model.http.mode must be one of {', '.join(MODES)} (got {self.mode!r})")
+        check_choice("model.http", "mode", self.mode, MODES)
         if not self.base_url.startswith(("http://", "https://")):
             raise ConfigError(f"model.http.base_url must start with http:// or https:// (got {self.base_url!r})")
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentevo.errors import ConfigError, MissingDependencyError
-from agentevo.options import check_fields, option
+from agentevo.options import check_choice, check_fields, option
 
 if TYPE_CHECKING:  # backend imports torch; this module stays light so config.py can import VLLMConfig
     from agentevo.models.backend import Generation, Sampling
@@ -55,8 +55,7 @@ class VLLMConfig:
 
     def validate(self) -> None:
         check_fields(self, "model.vllm")  # the ranges declared on the fields
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"model.vllm.dtype must be one of {', '.join(DTYPES)} (got {self.dtype!r})")
+        check_choice("model.vllm", "dtype", self.dtype, DTYPES)
 
 
 def _vllm() -> Any:

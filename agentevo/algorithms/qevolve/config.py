@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from agentevo.errors import ConfigError
-from agentevo.options import check_fields, option
+from agentevo.options import check_choice, check_fields, option
 
 PR_CHOICES = ("gae", "q_minus_v", "td", "gae_aux")
 PI_CHOICES = ("bppo", "awr", "none")
@@ -90,8 +90,7 @@ class QEvolveConfig:
         choices = {"pr": PR_CHOICES, "pi": PI_CHOICES, "critic_arch": CRITIC_ARCHS, "critic_init": CRITIC_INITS,
                    "buffer": BUFFERS, "loss_agg": LOSS_AGGS}
         for key, allowed in choices.items():
-            if getattr(self, key) not in allowed:
-                raise ConfigError(f"qevolve.{key} must be one of {', '.join(allowed)} (got {getattr(self, key)!r})")
+            check_choice("qevolve", key, getattr(self, key), allowed)
         if self.critic_arch != "lasttoken":
             raise ConfigError(
                 f"qevolve.critic_arch={self.critic_arch!r} is not implemented in this version; use 'lasttoken' "

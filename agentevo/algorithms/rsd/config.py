@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from agentevo.errors import ConfigError
-from agentevo.options import option
+from agentevo.options import check_choice, option
 
 COMPONENTS = ("prec", "lessons", "reflect", "future")
 POSITIONS = ("system", "before_history", "before_current_step")
@@ -18,11 +18,6 @@ REFRESH_MODES = ("all", "lessons_only", "precedents_only", "frozen_round1")
 KL_KINDS = ("forward", "reverse", "jsd")
 WRITERS = ("rule", "policy", "http")
 RULE_SEARCH = ("off", "frontier", "random")
-
-
-def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"rsd.{name} must be one of {', '.join(allowed)} (got {value!r})")
 
 
 @dataclass
@@ -125,28 +120,28 @@ class RSDConfig:
             raise ConfigError("rsd.lr and rsd.epochs must be > 0")
         if self.rollout_temperature < 0:
             raise ConfigError(f"rsd.rollout_temperature must be >= 0 (got {self.rollout_temperature})")
-        _choice("topk_from", self.topk_from, ("teacher", "student"))
-        _choice("kl", self.kl, KL_KINDS)
+        check_choice("rsd", "topk_from", self.topk_from, ("teacher", "student"))
+        check_choice("rsd", "kl", self.kl, KL_KINDS)
         if not 0.0 < self.kl_beta < 1.0:
             raise ConfigError(f"rsd.kl_beta must be in (0, 1) (got {self.kl_beta})")
-        _choice("teacher", self.teacher, TEACHER_MODES)
+        check_choice("rsd", "teacher", self.teacher, TEACHER_MODES)
         if not 0.0 <= self.ema_decay < 1.0:
             raise ConfigError(f"rsd.ema_decay must be in [0, 1) (got {self.ema_decay})")
-        _choice("metric_split", self.metric_split, ("train", "dev", "test"))
+        check_choice("rsd", "metric_split", self.metric_split, ("train", "dev", "test"))
         for c in self.components:
-            _choice("components", c, COMPONENTS)
+            check_choice("rsd", "components", c, COMPONENTS)
         if not 0 <= self.n_prec <= 16:
             raise ConfigError(f"rsd.n_prec must be in [0, 16] (got {self.n_prec})")
-        _choice("retrieval", self.retrieval, RETRIEVALS)
-        _choice("position", self.position, POSITIONS)
+        check_choice("rsd", "retrieval", self.retrieval, RETRIEVALS)
+        check_choice("rsd", "position", self.position, POSITIONS)
         if not 0.05 <= self.teacher_temp <= 5.0:
             raise ConfigError(f"rsd.teacher_temp must be in [0.05, 5] (got {self.teacher_temp})")
-        _choice("match_on", self.match_on, ("goal", "goal_and_first_obs"))
-        _choice("prec_format", self.prec_format, ("actions", "full"))
-        _choice("lessons_from", self.lessons_from, ("both", "success", "failure"))
-        _choice("refresh", self.refresh, REFRESH_MODES)
-        _choice("writer", self.writer, WRITERS)
-        _choice("rule_search", self.rule_search, RULE_SEARCH)
+        check_choice("rsd", "match_on", self.match_on, ("goal", "goal_and_first_obs"))
+        check_choice("rsd", "prec_format", self.prec_format, ("actions", "full"))
+        check_choice("rsd", "lessons_from", self.lessons_from, ("both", "success", "failure"))
+        check_choice("rsd", "refresh", self.refresh, REFRESH_MODES)
+        check_choice("rsd", "writer", self.writer, WRITERS)
+        check_choice("rsd", "rule_search", self.rule_search, RULE_SEARCH)
         if (self.writer == "http" or self.rule_search == "frontier") and not self.writer_url:
             raise ConfigError("rsd.writer=http and rsd.rule_search=frontier need rsd.writer_url "
                               "(an OpenAI-compatible base URL such as http://localhost:8000/v1)")
