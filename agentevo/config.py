@@ -286,6 +286,9 @@ class RunConfig:
             value = getattr(self, f.name)
             if dataclasses.is_dataclass(value) and hasattr(value, "validate"):
                 value.validate()
+        if self.method == "selfguide" and self.selfguide.demo_verdicts == "self" and self.model.path is None:
+            raise ConfigError("selfguide.demo_verdicts=self needs a pretrained model (set model.path): a tiny model "
+                              "built from scratch cannot judge a step before training; use demo_verdicts=oracle")
 
 
 # -- loading ----------------------------------------------------------------------------------------

@@ -103,6 +103,14 @@ def test_other_methods_verdicts() -> None:
                           "student_token_logp": -1.0, "teacher_auc_flagged": 0.7})
     assert [(d.value, d.verdict) for d in rsd] == [("2.0% − 12.0% = -10.0 pt", "fail"), ("-1.2 − -1 = -0.2", "fail"),
                                                    ("0.7", "pass")]
+    # a later round's teacher that reads its context far less than round 1's (as measured in docs/studies/real_model_probes)
+    later = {name.split(" (")[0]: (d.value, d.verdict) for d in dg.rsd_premise({"separation": 0.2,
+                                                                             "separation_round1": 5.0})
+             for name in [d.name]}
+    assert later["teacher still reads its context"] == ("0.2 / 5 = 0.04", "fail")
+    kept = dg.rsd_premise({"separation": 3.0, "separation_round1": 5.0})
+    assert [(d.value, d.verdict) for d in kept][1] == ("3 / 5 = 0.6", "pass")
+    assert len(dg.rsd_premise({"separation": 0.5, "separation_round1": 0.05})) == 1  # round 1 never read: no ratio
     sg = dg.selfguide_premise({"guided_success": 0.2, "unguided_success": 0.4, "guide_agreement": 2 / 3,
                                "guide_steps": 30})
     assert [(d.verdict, d.value) for d in sg] == [("fail", "20.0% vs 40.0%"), ("warn", "0.667 of 30 steps")]

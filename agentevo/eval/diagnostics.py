@@ -254,6 +254,12 @@ def rsd_premise(v: dict[str, Any]) -> list[Diagnostic]:
                          "rsd.ctx_warm_keep_plain=0 when the model memorises answers instead), or do not distil",
                          f"{_fmt(v.get('success_gap'))} − {_fmt(v.get('failure_gap'))} = {_fmt(v['separation'])} "
                          f"({_fmt(v.get('success_steps'))} / {_fmt(v.get('failure_steps'))} steps)"))
+    if v.get("separation") is not None and v.get("separation_round1") is not None and v["separation_round1"] > 0.1:
+        kept = v["separation"] / v["separation_round1"]
+        rows.append(_row("teacher still reads its context (separation now / in round 1)", kept, grade(kept, 0.5, 0.25),
+                         "the student's plain-prompt updates erase the reading of the teacher that follows it: "
+                         "freeze the teacher (rsd.teacher=fixed_init) or lower rsd.lr",
+                         f"{_fmt(v['separation'])} / {_fmt(v['separation_round1'])} = {_fmt(kept)}"))
     if v.get("success_gap") is not None:
         rows.append(_row("teacher − student log-prob on successful episodes' steps", v["success_gap"],
                          grade(v["success_gap"], -0.1, -0.5),

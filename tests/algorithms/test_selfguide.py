@@ -11,7 +11,10 @@ from agentevo.algorithms.advantages import trust_weight
 from agentevo.algorithms.grpo.recipe import label_sample
 from agentevo.algorithms.selfguide.recipe import (
     GuidedActor,
+    GuidedExpertActor,
+    SelfJudge,
     auc,
+    continuation_logprobs,
     detour_flags,
     guide_stats,
     guide_token_mask,
@@ -25,6 +28,7 @@ from agentevo.algorithms.selfguide.recipe import (
     parse_guide,
     stage_of,
     token_advantages,
+    verdict_text,
 )
 from agentevo.data.tensors import collate
 from agentevo.data.types import Step, Trajectory
@@ -59,6 +63,57 @@ def test_demo_replies_round_trip() -> None:
         assert parse_guide(guided_reply("open fridge", verdict, False, position="after"), "after")[1] == verdict
     assert guided_reply("open fridge", 0, True).startswith("Guide: Nothing done yet.")
     assert "Guide" not in guided_reply("open fridge", 1, False, with_guide=False)
+    for position in ("before", "after"):  # the judged text is the reply up to its verdict word
+        full = guided_reply("open fridge", -1, False, position=position)
+        assert full.startswith(verdict_text("open fridge", -1, False, "template", position))
+        assert verdict_text("open fridge", -1, False, "template", position).endswith("Verdict: bad")
+
+
+def test_continuation_logprobs_match_one_sequence_at_a_time(tiny_policy) -> None:  # noqa: ANN001
+    """Right padding in the shared forward pass changes no continuation's score."""
+    prompt = tiny_policy.renderer.encode_reply("You are in the kitchen.")
+    conts = [tiny_policy.renderer.encode_reply(t)[:-1] for t in ("open fridge", "go west now please", "x")]
+    got = continuation_logprobs(tiny_policy, prompt, conts)
+    for c, g in zip(conts, got, strict=True):
+        x = torch.tensor([prompt + c])
+        with torch.no_grad():
+            logp = torch.log_softmax(tiny_policy.model(x).logits[0].float(), -1)
+        want = sum(float(logp[len(prompt) - 1 + j, tok]) for j, tok in enumerate(c))
+        assert g == pytest.approx(want, abs=1e-4)
+
+
+def test_self_judged_demo_verdicts_replace_the_oracle_and_are_recorded(tiny_policy) -> None:  # noqa: ANN001
+    """demo_verdicts=self: from the second step on, the judge's verdict is written into the guide line and the
+    (oracle, own) pair is kept in the request meta; the first step and the action stay the demo's."""
+    task = Task("probe-guide", "probe-guide/train/0", "train", "guide", {}, 3)
+    ep = Episode(EpisodeRequest(task, 0), 0, first_obs="Light 1 of 3 is blue.", goal="press the lights")
+    ep.plan = ["press blue", "press red", "press green"]
+    calls = []
+
+    def judge(e: Episode, action: str) -> int:
+        calls.append((len(e.steps), action))
+        return -1
+
+    actor = GuidedExpertActor("none", 0.0, 0, True, "before", judge=judge)
+    first = actor.act([ep])[0].text
+    assert calls == [] and "Nothing done yet." in first and parse_action(first) == "press blue"
+    ep.steps.append(Step(1, ep.first_obs, first, [], None, "press blue", "Correct. Light 2 of 3 is red.", 0.5,
+                         False, 0.5))
+    second = actor.act([ep])[0].text
+    assert calls == [(1, "press red")] and parse_guide(second)[1] == -1 and parse_action(second) == "press red"
+    assert ep.request.meta["verdicts"] == [[1, -1]]  # the oracle said good (score up), the judge bad
+    # a judge over a model: the argmax over the verdict lines of log p(line | episode) minus log p(line | the same
+    # episode with its last observation replaced by "N/A")
+    own = SelfJudge(tiny_policy, "Press the lights.", 2, "none", "before")
+    blank = own.prompt_ids(ep, content_free=True)
+    assert tiny_policy.renderer.decode(blank).count("N/A") == 1 and "Correct." not in tiny_policy.renderer.decode(blank)
+    assert "Correct. Light 2 of 3 is red." in tiny_policy.renderer.decode(own.prompt_ids(ep))
+    conts = [tiny_policy.renderer.encode_reply(verdict_text("press red", v, False, "none", "before"))[:-1]
+             for v in (1, 0, -1)]
+    seen, cf = (continuation_logprobs(tiny_policy, p, conts) for p in (own.prompt_ids(ep), blank))
+    want = [a - b for a, b in zip(seen, cf, strict=True)]
+    assert list(own.scores(ep, "press red").values()) == pytest.approx(want)
+    assert own(ep, "press red") == (1, 0, -1)[max(range(3), key=want.__getitem__)]
 
 
 # ------------------------------------------------------------------------------------------- token spans
@@ -312,3 +367,12 @@ def test_selfguide_recipe_one_update_end_to_end(tmp_path, capsys) -> None:  # no
     assert main(["eval", "--model", str(tmp_path / "s/checkpoints/latest"), "--name", "ev-bad", "--output-dir",
                  str(tmp_path), *sets]) == 2
     assert "is not a model checkpoint (no config.json); the model inside it is" in capsys.readouterr().err
+
+
+def test_self_judged_verdicts_need_a_pretrained_model() -> None:
+    from agentevo.config import load_config
+
+    with pytest.raises(ConfigError, match=r"selfguide.demo_verdicts=self needs a pretrained model \(set model.path\)"):
+        load_config(None, ["selfguide.demo_verdicts=self"], method="selfguide")
+    with pytest.raises(ConfigError, match="selfguide.demo_verdicts"):
+        load_config(None, ["selfguide.demo_verdicts=model"], method="selfguide")

@@ -574,10 +574,14 @@ def rsd_rounds(run: Run, base: str, label: str = "rsd", gold: dict[str, Trajecto
         def teach(student: str = student, trajs: list[Trajectory] = trajs, rule: ContextRule = rule,
                   teacher_ckpt: str = teacher.ckpt, work: Path = work, r: int = r) -> dict[str, Any]:
             stats = _score_round(run, r, trajs, rule, teacher_ckpt, student, work, gold)
+            premise = {k: stats[k] for k in PREMISE_KEYS if stats.get(k) is not None}
             if r == 1:  # teacher and student are the same weights here: the context is the only difference
-                premise = {k: stats[k] for k in PREMISE_KEYS if stats.get(k) is not None}
                 run.logger.log(f"diag/{label}", 0, premise)
                 check_premise(premise, rsd.premise_stop)
+            else:  # a later teacher: does it still read its context as well as round 1's did?
+                first = run.state.get("round-1/teacher", {}).get("separation")
+                run.logger.log(f"diag/{label}", r - 1, {**premise, **({} if first is None else
+                                                                       {"separation_round1": first})})
             return stats
 
         teach_stats = run.phase(f"round-{r}/teacher", teach)

@@ -17,6 +17,7 @@ HISTORY_GUIDES = ("staged", "none", "last", "all")
 GUIDE_TOKENS_ADV = ("env", "combined")
 INT_NORMS = ("group", "none")
 GUIDE_POSITIONS = ("before", "after")
+DEMO_VERDICTS = ("oracle", "self")
 
 
 @dataclass
@@ -45,6 +46,10 @@ class SelfGuideConfig:
     demo_detour_prob: float = option(
         "guide-BC stand-in: probability that a demo step is replaced by a scripted detour (invalid or idle action) "
         "so demos show 'bad' verdicts; detour replies are not trained on [O]", 0.15, ge=0, lt=1)
+    demo_verdicts: str = option(
+        "who judges the guide-BC demos' steps: oracle (the environment's score change) [O] or self (the pretrained "
+        "model itself, before any training: of the three verdict lines it picks the one it finds most likely after "
+        "the episode so far; needs model.path) [I: the paper's agent writes its own assessment]", "oracle")
 
     def validate(self) -> None:
         check_choice("selfguide", "guide", self.guide, GUIDE_MODES)
@@ -53,6 +58,7 @@ class SelfGuideConfig:
         check_choice("selfguide", "guide_tokens_adv", self.guide_tokens_adv, GUIDE_TOKENS_ADV)
         check_choice("selfguide", "history_guides", self.history_guides, HISTORY_GUIDES)
         check_choice("selfguide", "guide_position", self.guide_position, GUIDE_POSITIONS)
+        check_choice("selfguide", "demo_verdicts", self.demo_verdicts, DEMO_VERDICTS)
         if self.lambda_max < 0:
             raise ConfigError(f"selfguide.lambda_max must be >= 0 (got {self.lambda_max})")
         lo, hi = self.breakpoints

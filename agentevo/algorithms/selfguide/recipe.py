@@ -346,11 +346,80 @@ def guided_reply(action: str, verdict: int, first: bool, thoughts: str = "templa
     base = expert_reply(action, thoughts)
     if not with_guide:
         return base
+    if position == "after":
+        return verdict_text(action, verdict, first, thoughts, position)
+    return f"{verdict_text(action, verdict, first, thoughts, position)}\n{base}"
+
+
+def verdict_text(action: str, verdict: int, first: bool, thoughts: str, position: str) -> str:
+    """A demo reply up to the end of its verdict word (what differs between the three verdicts)."""
     judgement = "Nothing done yet." if first else {
         1: "The last step made progress.", 0: "The last step changed nothing.", -1: "The last step failed."}[verdict]
     if position == "after":
-        return f"{base}\nGuide: {judgement} Verdict: {VERDICT_WORDS[verdict]}"
-    return f"Guide: {judgement} Next: {action}. Verdict: {VERDICT_WORDS[verdict]}\n{base}"
+        return f"{expert_reply(action, thoughts)}\nGuide: {judgement} Verdict: {VERDICT_WORDS[verdict]}"
+    return f"Guide: {judgement} Next: {action}. Verdict: {VERDICT_WORDS[verdict]}"
+
+
+class SelfJudge:
+    """The demo verdicts of selfguide.demo_verdicts=self: the pretrained model, before any training, scores the reply
+    up to each of the three verdict words after the episode so far (past replies without their guides), calibrated
+    by its scores when the last observation is replaced by a content-free "N/A" (contextual calibration, Zhao et al.
+    2021: an untrained model's prior over the three sentences otherwise decides every verdict); the verdict whose
+    score the observation raises most is the step's verdict. The choice is the model's; the wording the template's."""
+
+    content_free = "N/A"
+
+    def __init__(self, policy: Any, instruction: str, window: int, thoughts: str, position: str) -> None:
+        self.policy, self.instruction, self.window = policy, instruction, window
+        self.thoughts, self.position = thoughts, position
+
+    def prompt_ids(self, ep: Episode, content_free: bool = False) -> list[int]:
+        """The prompt the policy would see next (past replies without guides); content_free blanks the last
+        observation."""
+        renderer = self.policy.renderer
+        history = [HistoryTurn(renderer.encode_reply(expert_reply(s.parsed_action or "", self.thoughts)), s.next_obs)
+                   for s in ep.steps]
+        if content_free and history:
+            history[-1] = HistoryTurn(history[-1].action_ids, self.content_free)
+        messages = build_messages(self.instruction, ep.goal, ep.first_obs, history, self.window,
+                                  prefix=ep.request.prefix)
+        return renderer.render(messages, add_generation_prompt=True).ids
+
+    def scores(self, ep: Episode, action: str) -> dict[int, float]:
+        """Calibrated score per verdict: log p(line | episode) - log p(line | episode with a content-free last
+        observation)."""
+        verdicts = (1, 0, -1)
+        conts = [self.policy.renderer.encode_reply(verdict_text(action, v, False, self.thoughts, self.position))[:-1]
+                 for v in verdicts]
+        seen = continuation_logprobs(self.policy, self.prompt_ids(ep), conts)
+        blank = continuation_logprobs(self.policy, self.prompt_ids(ep, content_free=True), conts)
+        return {v: a - b for v, a, b in zip(verdicts, seen, blank, strict=True)}
+
+    def __call__(self, ep: Episode, action: str) -> int:
+        """The verdict (1 good, 0 neutral, -1 bad) on the episode's last step."""
+        scores = self.scores(ep, action)
+        return max(scores, key=scores.__getitem__)
+
+
+@torch.no_grad()
+def continuation_logprobs(policy: Any, prompt: list[int], conts: Sequence[Sequence[int]]) -> list[float]:
+    """Sum of log p(continuation | prompt) for each continuation, in one right-padded forward pass."""
+    model = policy.model
+    device = next(model.parameters()).device
+    seqs = [list(prompt) + list(c) for c in conts]
+    width = max(len(q) for q in seqs)
+    pad = policy.tokenizer.pad_token_id if policy.tokenizer.pad_token_id is not None else 0
+    ids = torch.full((len(seqs), width), int(pad), dtype=torch.long, device=device)
+    mask = torch.zeros_like(ids)
+    for i, q in enumerate(seqs):
+        ids[i, : len(q)] = torch.tensor(q, device=device)
+        mask[i, : len(q)] = 1
+    logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), -1)
+    out = []
+    for i, c in enumerate(conts):
+        pos = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(c), device=device)
+        out.append(float(logp[i, pos, ids[i, pos + 1]].sum()))
+    return out
 
 
 class GuidedExpertActor:
@@ -359,10 +428,11 @@ class GuidedExpertActor:
     source = "expert"
     policy_id = "expert-guided"
 
-    def __init__(self, thoughts: str, detour_prob: float, seed: int, with_guide: bool, position: str) -> None:
+    def __init__(self, thoughts: str, detour_prob: float, seed: int, with_guide: bool, position: str,
+                 judge: Callable[[Episode, str], int] | None = None) -> None:
         self.renderer = _TextOnlyRenderer()
         self.thoughts, self.p, self.seed = thoughts, detour_prob, seed
-        self.with_guide, self.position = with_guide, position
+        self.with_guide, self.position, self.judge = with_guide, position, judge
 
     def act(self, episodes: list[Episode]) -> list[Generation]:
         gens = []
@@ -381,8 +451,13 @@ class GuidedExpertActor:
             else:
                 n_done = sum(not f for f in flags[:t])
                 action = ep.plan[n_done] if n_done < len(ep.plan) else "look around"
-            text = guided_reply(action, oracle_verdict(ep.steps), t == 0, self.thoughts, self.position,
-                                self.with_guide)
+            verdict = oracle_verdict(ep.steps)
+            if self.judge is not None and self.with_guide and t > 0:
+                own = self.judge(ep, action)
+                # (oracle, own) per judged step, kept with the trajectory for the agreement diagnostic
+                ep.request.meta["verdicts"] = [*ep.request.meta.get("verdicts", [])[: t - 1], [verdict, own]]
+                verdict = own
+            text = guided_reply(action, verdict, t == 0, self.thoughts, self.position, self.with_guide)
             gens.append(Generation([], [], text))
         return gens
 
@@ -417,7 +492,7 @@ def import_guide_warm_start(run: Run, source: Path) -> dict[str, Any]:
         raise ConfigError(f"bc.warm_start_from: {str(source)!r} was trained "
                           f"{'without' if ours_guided else 'with'} guide lines; use a warm start with the same "
                           "selfguide.guide = none / with guides")
-    keys = ("guide_position", "demo_detour_prob", "history_guides", "guide_max_tokens")
+    keys = ("guide_position", "demo_detour_prob", "history_guides", "guide_max_tokens", "demo_verdicts")
     return import_warm_start(run, source, "expert-guided", GUIDE_WARM_START_PHASES, {"selfguide": keys})
 
 
@@ -433,11 +508,19 @@ def guide_warm_start(run: Run) -> dict[str, Any]:
     requests = [EpisodeRequest(t, k, meta={"keep": keeps[k % len(keeps)]}) for k, t in enumerate(tasks)]
 
     def collect() -> dict[str, Any]:
+        if sg.demo_verdicts == "self" and with_guide:
+            judge_policy = initial_policy(cfg, [])  # the pretrained model as loaded, before any training
+            actor.judge = SelfJudge(judge_policy, run.signal_env.instruction(), cfg.agent.history_window,
+                                    cfg.agent.thoughts, sg.guide_position)
         trajs = run.collect(actor, requests, "expert-guided", "guided expert demos")
+        pairs = [p for t in trajs for p in t.meta.get("verdicts", [])]
         return {"n": len(trajs), "success_rate": sum(t.success for t in trajs) / max(1, len(trajs)),
                 "mean_steps": sum(t.length for t in trajs) / max(1, len(trajs)),
                 "detours": sum(len(t.meta.get("detours", [])) for t in trajs),
-                **(guide_stats(trajs, sg.guide_position, lambda ids: []) if with_guide else {})}
+                **(guide_stats(trajs, sg.guide_position, lambda ids: []) if with_guide else {}),
+                **({"self_verdicts": len(pairs),
+                    "self_verdict_oracle_agreement": sum(a == b for a, b in pairs) / max(1, len(pairs))}
+                   if sg.demo_verdicts == "self" and with_guide else {})}
 
     results: dict[str, Any] = {"expert-guided": run.phase("expert-guided", collect)}
     demos = run.store.load(collection="expert-guided")
