@@ -123,6 +123,14 @@ def warm_start(run: Run) -> dict[str, Any]:
 WARM_START_PHASES = ("expert", "init", "eval/init", "bc", "eval/bc")
 
 
+def _same_folder(a: Any, b: Any) -> bool:
+    """Whether two model.path values name one existing folder (relative paths read from the working directory)."""
+    if not (isinstance(a, str) and isinstance(b, str)):
+        return False
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    return pa.is_dir() and pb.is_dir() and pa.resolve() == pb.resolve()
+
+
 def import_warm_start(run: Run, source: Path, collection: str = "expert",
                       phases: tuple[str, ...] = WARM_START_PHASES,
                       also_equal: dict[str, tuple[str, ...]] | None = None,
@@ -159,6 +167,8 @@ def import_warm_start(run: Run, source: Path, collection: str = "expert",
                 if a.get(key) != b.get(key):
                     resized.append(f"env.{key} {b.get(key)} -> {a.get(key)}")
                 continue  # a powered study evaluates the same checkpoints on more held-out tasks
+            if (section, key) == ("model", "path") and _same_folder(a.get(key), b.get(key)):
+                continue  # the same model folder written relative in one run and absolute in the other
             if a.get(key) != b.get(key):
                 raise ConfigError(f"bc.warm_start_from: {section}.{key} is {a.get(key)!r} here but "
                                   f"{b.get(key)!r} in {str(source)!r}; use the same setting or another BC run")

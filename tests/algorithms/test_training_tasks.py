@@ -68,3 +68,17 @@ def test_qevolve_tasks_per_round_draws_a_fixed_subset_per_round(tmp_path) -> Non
         assert [t.task_id for t in self_tasks(run, 1)] == train_ids  # null: every training task, as the paper
     finally:
         run.close()
+
+
+def test_warm_start_model_path_relative_or_absolute_is_one_folder(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """bc.warm_start_from compares model.path by folder: 'models/x' from the working directory equals its absolute
+    path; another folder or a missing one does not."""
+    from agentevo.algorithms.bc import _same_folder
+
+    (tmp_path / "models/x").mkdir(parents=True)
+    (tmp_path / "models/y").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert _same_folder("models/x", str(tmp_path / "models/x"))
+    assert _same_folder("./models/x/", "models/x")
+    assert not _same_folder("models/x", str(tmp_path / "models/y"))
+    assert not _same_folder("models/z", "models/z") and not _same_folder(None, "models/x")
