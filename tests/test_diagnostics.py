@@ -104,9 +104,8 @@ def test_other_methods_verdicts() -> None:
     assert [(d.value, d.verdict) for d in rsd] == [("2.0% − 12.0% = -10.0 pt", "fail"), ("-1.2 − -1 = -0.2", "fail"),
                                                    ("0.7", "pass")]
     # a later round's teacher that reads its context far less than round 1's (as measured in docs/studies/real_model_probes)
-    later = {name.split(" (")[0]: (d.value, d.verdict) for d in dg.rsd_premise({"separation": 0.2,
-                                                                             "separation_round1": 5.0})
-             for name in [d.name]}
+    later = {d.name.split(" (")[0]: (d.value, d.verdict)
+             for d in dg.rsd_premise({"separation": 0.2, "separation_round1": 5.0})}
     assert later["teacher still reads its context"] == ("0.2 / 5 = 0.04", "fail")
     kept = dg.rsd_premise({"separation": 3.0, "separation_round1": 5.0})
     assert [(d.value, d.verdict) for d in kept][1] == ("3 / 5 = 0.6", "pass")

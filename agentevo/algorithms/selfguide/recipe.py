@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from agentevo.agent.prompt import HistoryTurn, build_messages, expert_reply
+from agentevo.algorithms import losses
 from agentevo.algorithms.advantages import (
     discounted_returns,
     group_normalise_steps,
@@ -68,7 +69,7 @@ from agentevo.algorithms.grpo.recipe import (
     update_tasks,
 )
 from agentevo.algorithms.selfguide.config import SelfGuideConfig
-from agentevo.data.tensors import StepSample, trajectory_samples
+from agentevo.data.tensors import StepSample, collate, trajectory_samples
 from agentevo.data.types import Step, Trajectory
 from agentevo.envs.base import SIGNAL_FORMAT, SIGNAL_INVALID, SIGNAL_REPEAT
 from agentevo.errors import ConfigError
@@ -343,12 +344,10 @@ def oracle_verdict(steps: Sequence[Step]) -> int:
 def guided_reply(action: str, verdict: int, first: bool, thoughts: str = "template", position: str = "before",
                  with_guide: bool = True) -> str:
     """A demo reply: guide line (judging the previous step, naming the next action) + Thought + Action."""
-    base = expert_reply(action, thoughts)
     if not with_guide:
-        return base
-    if position == "after":
-        return verdict_text(action, verdict, first, thoughts, position)
-    return f"{verdict_text(action, verdict, first, thoughts, position)}\n{base}"
+        return expert_reply(action, thoughts)
+    guide = verdict_text(action, verdict, first, thoughts, position)
+    return guide if position == "after" else f"{guide}\n{expert_reply(action, thoughts)}"
 
 
 def verdict_text(action: str, verdict: int, first: bool, thoughts: str, position: str) -> str:
@@ -403,23 +402,16 @@ class SelfJudge:
 
 @torch.no_grad()
 def continuation_logprobs(policy: Any, prompt: list[int], conts: Sequence[Sequence[int]]) -> list[float]:
-    """Sum of log p(continuation | prompt) for each continuation, in one right-padded forward pass."""
-    model = policy.model
-    device = next(model.parameters()).device
-    seqs = [list(prompt) + list(c) for c in conts]
-    width = max(len(q) for q in seqs)
-    pad = policy.tokenizer.pad_token_id if policy.tokenizer.pad_token_id is not None else 0
-    ids = torch.full((len(seqs), width), int(pad), dtype=torch.long, device=device)
-    mask = torch.zeros_like(ids)
-    for i, q in enumerate(seqs):
-        ids[i, : len(q)] = torch.tensor(q, device=device)
-        mask[i, : len(q)] = 1
-    logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), -1)
-    out = []
-    for i, c in enumerate(conts):
-        pos = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(c), device=device)
-        out.append(float(logp[i, pos, ids[i, pos + 1]].sum()))
-    return out
+    """Sum of log p(continuation | prompt) for each continuation, in one batch padded by `collate`. Scored in the
+    model's own precision, outside the run's autocast: the judge's verdicts were measured that way (under bf16 autocast
+    SmolLM2 judges 1 of 25 wrong-button steps of the guide probe differently; docs/studies/real_model_probes)."""
+    n = len(prompt)
+    rows = [StepSample([*prompt, *c], [(n, n + len(c))], 0, [1]) for c in conts]
+    device = next(policy.model.parameters()).device
+    batch = {k: v.to(device) for k, v in collate(rows, policy.pad_id).items()}
+    logits = policy.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    picked = losses.token_logprobs(logits, batch["input_ids"])  # column j scores token j + 1
+    return [float(x) for x in (picked * batch["action_mask"][:, 1:]).sum(dim=1)]
 
 
 class GuidedExpertActor:
@@ -507,8 +499,10 @@ def guide_warm_start(run: Run) -> dict[str, Any]:
     actor = GuidedExpertActor(cfg.agent.thoughts, sg.demo_detour_prob, cfg.seed, with_guide, sg.guide_position)
     requests = [EpisodeRequest(t, k, meta={"keep": keeps[k % len(keeps)]}) for k, t in enumerate(tasks)]
 
+    self_judged = sg.demo_verdicts == "self" and with_guide
+
     def collect() -> dict[str, Any]:
-        if sg.demo_verdicts == "self" and with_guide:
+        if self_judged:
             judge_policy = initial_policy(cfg, [])  # the pretrained model as loaded, before any training
             actor.judge = SelfJudge(judge_policy, run.signal_env.instruction(), cfg.agent.history_window,
                                     cfg.agent.thoughts, sg.guide_position)
@@ -520,7 +514,7 @@ def guide_warm_start(run: Run) -> dict[str, Any]:
                 **(guide_stats(trajs, sg.guide_position, lambda ids: []) if with_guide else {}),
                 **({"self_verdicts": len(pairs),
                     "self_verdict_oracle_agreement": sum(a == b for a, b in pairs) / max(1, len(pairs))}
-                   if sg.demo_verdicts == "self" and with_guide else {})}
+                   if self_judged else {})}
 
     results: dict[str, Any] = {"expert-guided": run.phase("expert-guided", collect)}
     demos = run.store.load(collection="expert-guided")

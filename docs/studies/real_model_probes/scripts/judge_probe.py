@@ -1,7 +1,8 @@
 """How a pretrained model judges the guide probe's demo steps: the three verdict lines scored raw (sum of log-probs)
 and calibrated (minus the score with the last observation replaced by "N/A", as SelfJudge does).
 
-usage: python judge_probe.py MODEL_DIR RUN_DIR   (RUN_DIR: a selfguide run on probe-guide; its expert-guided demos)
+usage: python judge_probe.py MODEL_DIR RUN_DIR [DTYPE]   (RUN_DIR: a selfguide run on probe-guide, whose expert-guided
+demos are re-scored; DTYPE float32 (default) or auto)
 """
 import sys
 from collections import Counter
@@ -10,9 +11,11 @@ from pathlib import Path
 from agentevo.algorithms.selfguide.recipe import SelfJudge, continuation_logprobs, oracle_verdict, verdict_text
 from agentevo.data.store import ExperienceStore
 from agentevo.envs import make_env
+from agentevo.models import placement
 from agentevo.models.backend import TransformersPolicy, load_pretrained
 from agentevo.rollout.engine import Episode, EpisodeRequest
 
+placement.configure(dtype=sys.argv[3] if len(sys.argv) > 3 else "float32")  # auto = as the runs
 model, tok = load_pretrained(sys.argv[1])
 policy = TransformersPolicy(model, tok, "judge", batch_size=8)
 judge = SelfJudge(policy, make_env("probe-guide").instruction(), 2, "none", "before")
