@@ -121,6 +121,37 @@ def test_probe_envs_keep_the_contract() -> None:
         make_env("probe-trap", max_steps=1)
 
 
+def test_guide_probe_lights_and_success_reward() -> None:
+    """n_lights sets the row and the episode length; reward=success pays 1 at the end of an all-right episode and
+    nothing else, so the outcome cannot tell a wrong second press from a wrong fifth; score pays 1/n per right press."""
+    from agentevo.envs import make_env
+    from agentevo.errors import ConfigError
+
+    env = make_env("probe-guide", n_lights=5, reward="success", n_test=2)
+    task = env.tasks("test")[0]
+    lights = task.params["lights"]
+    assert len(lights) == 5 and task.max_steps == 5
+    obs, _ = env.reset(task)
+    assert obs.endswith(f"Light 1 of 5 is {lights[0]}.")
+    rewards = [env.step(f"press {c}")[1] for c in lights]
+    assert rewards == [0.0, 0.0, 0.0, 0.0, 1.0]
+    wrong = {c: next(o for o in ("red", "green") if o != c) for c in lights}
+    for bad in (1, 4):  # one wrong press anywhere: every reward 0, the same observations' verdict names it
+        env.reset(task)
+        out = [env.step(f"press {wrong[c] if i == bad else c}") for i, c in enumerate(lights)]
+        assert [r for _, r, _, _ in out] == [0.0] * 5 and not out[-1][3]["success"] and out[-1][3]["score"] == 0.0
+        assert out[bad][0].startswith("Wrong button.") and all(o.startswith("Correct.") for o, *_ in out[:bad])
+    scored = make_env("probe-guide", n_lights=4, n_test=1)
+    task = scored.tasks("test")[0]
+    scored.reset(task)
+    assert [scored.step(f"press {c}")[1] for c in task.params["lights"]] == [0.25] * 4
+    assert make_env("probe-guide").tasks("test")[0].max_steps == 3  # the default row is unchanged
+    with pytest.raises(ConfigError, match="reward must be one of score, success"):
+        make_env("probe-guide", reward="dense")
+    with pytest.raises(ConfigError, match="max_steps must be >= 4"):
+        make_env("probe-guide", n_lights=4, max_steps=3)
+
+
 # -- BC: the copy probe (the policy must read its observation) ------------------------------------------------------
 
 

@@ -50,7 +50,7 @@ ENVIRONMENTS: dict[str, tuple[str, str, str]] = {
     "probe-hindsight": ("agentevo.envs.probes", "HindsightProbe",
                         "Probe: a vault's password is revealed only after a wrong answer (hindsight)"),
     "probe-guide": ("agentevo.envs.probes", "GuideProbe",
-                    "Probe: three lights; each observation says whether the last press was right"),
+                    "Probe: a row of lights; each observation says whether the last press was right"),
 }
 
 

@@ -360,13 +360,18 @@ class HindsightProbe(_Probe):
 
 
 GUIDE_LIGHTS = 3
+GUIDE_REWARDS = ("score", "success")
 
 
 class GuideProbe(_Probe):
-    """Three lights in a row; at each one 'press <colour>' with the light's colour is right. Every observation
-    says whether the last press was right ('Correct.' / 'Wrong button.'), and the score is the fraction of right
-    presses so far; success = all three right. The verdict on the last step is readable from the observation, so
-    a guide that states it predicts the reward."""
+    """A row of lights (n_lights, default 3); at each one 'press <colour>' with the light's colour is right. Every
+    observation says whether the last press was right ('Correct.' / 'Wrong button.'); success = every press right.
+    The verdict on the last step is readable from the observation, so a guide that states it predicts the reward.
+
+    reward 'score' (default): the score is the fraction of right presses so far and each right press pays
+    1 / n_lights. reward 'success': score and reward stay 0 until the last light and are 1 only if every press was
+    right, so the outcome says nothing about which press was wrong and only a step-level signal (Self-Guide's
+    verdicts) can tell the steps apart."""
 
     name = "probe-guide"
     task_type = "guide"
@@ -374,11 +379,28 @@ class GuideProbe(_Probe):
     instruction_text = ("A probe task. Reply with one line 'Thought: <reasoning>' and one line 'Action: <command>'. "
                         "Commands: press red, press green, press blue, press yellow.")
 
+    def __init__(self, max_steps: int | None = None, expert_noise: float = 0.0, n_train: int | None = None,
+                 n_dev: int | None = None, n_test: int | None = None, n_lights: int = GUIDE_LIGHTS,
+                 reward: str = "score") -> None:
+        if not 2 <= n_lights <= 12:
+            raise ConfigError(f"{self.name}: n_lights must be in [2, 12] (got {n_lights})")
+        if reward not in GUIDE_REWARDS:
+            raise ConfigError(f"{self.name}: reward must be one of {', '.join(GUIDE_REWARDS)} (got {reward!r})")
+        self.default_max_steps = n_lights  # the instance's floor for max_steps and its default
+        super().__init__(max_steps, expert_noise, n_train, n_dev, n_test)
+        self.n_lights = n_lights
+        self.reward = reward
+
     def task_params(self, split: str, k: int) -> dict[str, Any]:
-        return {"lights": [_pick(COLOURS, "light", k, i) for i in range(GUIDE_LIGHTS)]}
+        return {"lights": [_pick(COLOURS, "light", k, i) for i in range(self.n_lights)]}
 
     def _light(self, i: int) -> str:
-        return f"Light {i + 1} of {GUIDE_LIGHTS} is {self._need_task().params['lights'][i]}."
+        return f"Light {i + 1} of {self.n_lights} is {self._need_task().params['lights'][i]}."
+
+    def _score(self, right: int, done: bool) -> float:
+        if self.reward == "success":
+            return 1.0 if done and right == self.n_lights else 0.0
+        return right / self.n_lights
 
     def reset(self, task: Task) -> tuple[str, dict[str, Any]]:
         """The first light."""
@@ -393,21 +415,22 @@ class GuideProbe(_Probe):
         act = action.strip().lower()
         i, right = self._state["i"], self._state["right"]
         pressed = act[6:].strip() if act.startswith("press ") else ""
+        before = self._score(right, False)
         if pressed not in COLOURS:
             # Invalid: the same light stays and the score does not move, so the step is wasted (the engine ends
             # the episode at max_steps).
-            score = right / GUIDE_LIGHTS
-            return f"{INVALID_PREFIX}: use press <colour>. {self._light(i)}", 0.0, False, self._info(score, False)
+            return f"{INVALID_PREFIX}: use press <colour>. {self._light(i)}", 0.0, False, self._info(before, False)
         ok = pressed == task.params["lights"][i]
         right += ok
         self._state.update(i=i + 1, right=right)
-        score = right / GUIDE_LIGHTS
+        last = i + 1 == self.n_lights
+        score = self._score(right, last)
         verdict = "Correct." if ok else "Wrong button."
-        if i + 1 == GUIDE_LIGHTS:
-            won = right == GUIDE_LIGHTS
+        if last:
+            won = right == self.n_lights
             end = "You win." if won else "The episode is over."
-            return f"{verdict} {end}", (1.0 if ok else 0.0) / GUIDE_LIGHTS, True, self._info(score, won)
-        return f"{verdict} {self._light(i + 1)}", (1.0 if ok else 0.0) / GUIDE_LIGHTS, False, self._info(score, False)
+            return f"{verdict} {end}", score - before, True, self._info(score, won)
+        return f"{verdict} {self._light(i + 1)}", score - before, False, self._info(score, False)
 
     def expert(self, task: Task) -> list[str]:
         """Press each light's colour (a noisy demo presses the wrong colour at the second light)."""
