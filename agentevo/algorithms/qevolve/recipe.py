@@ -37,7 +37,7 @@ from agentevo.algorithms import losses
 from agentevo.algorithms.bc import ensure_reply_ids, warm_start
 from agentevo.algorithms.qevolve.config import QEvolveConfig
 from agentevo.data.store import ExperienceStore
-from agentevo.data.tensors import StepSample, collate, reply_logprobs, trajectory_samples
+from agentevo.data.tensors import StepSample, collate, forward_logits, reply_logprobs, trajectory_samples
 from agentevo.data.types import Trajectory
 from agentevo.envs.base import SIGNAL_NONE, SIGNALS
 from agentevo.errors import ConfigError
@@ -594,7 +594,7 @@ def policy_loss(q: QEvolveConfig) -> Callable[[Any, dict[str, Any]], tuple[torch
     """The step-5 loss: -J_clip + alpha * KL_k3(pi || pi_BC) (bppo), or the AWR loss (awr)."""
 
     def loss_fn(model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logits = forward_logits(model, batch)
         picked = losses.token_logprobs(logits, batch["input_ids"])
         logp = torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)  # aligned to input positions
         mask = batch["action_mask"]
