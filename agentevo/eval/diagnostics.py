@@ -159,10 +159,18 @@ def critic_fit(v: dict[str, Any]) -> list[Diagnostic]:
     # Mann-Whitney null variance (n1 + n2 + 1) / (12 n1 n2): about 1 / (3n) when the outcomes are balanced
     noisy = (f"; with {n_held} held-out episodes the AUC's standard error is ~{1 / (3 * n_held) ** 0.5:.2f}, so also hold "
              "out more (qevolve.critic_holdout)") if n_held and n_held < 100 else ""
+    if "auc_v_states" in v:
+        # every state of the held-out own episodes; pairs only within a step, so V cannot score by t alone
+        verdict = grade(v["auc_v_states"], 0.7, 0.6)
+        rows.append(_row("held-out AUC of V(s_t) for the episode's success (own episodes, states at the same step)",
+                         v["auc_v_states"], verdict, few if verdict == NA else budget))
     for key, name in (("auc_v1", "held-out AUC of V(s_1) for success"), ("auc_q", "held-out AUC of min Q(s_1,a_1)")):
         if key in v:
             verdict = grade(v[key], 0.7, 0.6)
-            rows.append(_row(name, v[key], verdict, few if verdict == NA else budget + noisy))
+            # s_1 only shows the task: V(s_1) can rank no better than the tasks' difficulty shows in it
+            first = ("; V(s_1) sees only the task, so it ranks episodes no better than task difficulty shows in the "
+                     "first observation: read it beside the row above")
+            rows.append(_row(name, v[key], verdict, few if verdict == NA else budget + noisy + first))
     if "v_std" in v:
         ratio = v["v_std"] / v["return_std"] if v.get("return_std") else None
         rows.append(_row("V spread (std over states / std of returns-to-go)", ratio, grade(ratio, 0.3, 0.1),

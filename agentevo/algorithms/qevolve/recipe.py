@@ -42,7 +42,7 @@ from agentevo.data.types import Trajectory
 from agentevo.envs.base import SIGNAL_NONE, SIGNALS
 from agentevo.errors import ConfigError
 from agentevo.eval import diagnostics
-from agentevo.eval.metrics import auc, summarize
+from agentevo.eval.metrics import auc, auc_same_step, summarize
 from agentevo.models.backend import Generation, Sampling, TransformersPolicy, load_pretrained
 from agentevo.models.critic import (
     Critic,
@@ -380,20 +380,27 @@ def train_critic(run: Run, r: int, data: Dataset, cache: dict[str, Any]) -> dict
     }
     run.logger.log(f"round-{r}/critic", 0, {k: v for k, v in stats.items() if v is not None})
     diag = critic_diagnostics(items, all_values, held, [t.success for t in data.trajs], q.gamma, q.polyak,
-                              epochs[-1] if epochs else {})
+                              epochs[-1] if epochs else {}, own=[t.source != "expert" for t in data.trajs])
     run.logger.log("diag/qevolve", r, diag)
     return {**stats, "diag": diag}
 
 
 def critic_diagnostics(items: list[CriticItem], values: list[dict[str, list[float]]], held: list[bool],
-                       success: list[bool], gamma: float, polyak: float, last: dict[str, float]) -> dict[str, Any]:
-    """Does the critic fit? Held-out AUC of V(s_1) and min Q(s_1, a_1) for success, explained variance of the
-    held-out returns-to-go (of the critic's reward) by V, V spread against the returns' spread over D, and how far
-    the target heads moved from their init (names of diagnostics.critic_fit)."""
+                       success: list[bool], gamma: float, polyak: float, last: dict[str, float],
+                       own: list[bool] | None = None) -> dict[str, Any]:
+    """Does the critic fit? Held-out AUC of V(s_t) for the episode's success over every state of the policy's own
+    episodes, comparing states at the same step t (`own` marks them; all held-out episodes when None); of V(s_1) and
+    min Q(s_1, a_1); explained variance of the held-out returns-to-go (of the critic's reward) by V, V spread
+    against the returns' spread over D, and how far the target heads moved from their init (names of
+    diagnostics.critic_fit)."""
     held_idx = [i for i, h in enumerate(held) if h]
     g_all = [diagnostics.returns_to_go(it.rewards, gamma) for it in items]
     v_states = [v["v"][: it.T] for v, it in zip(values, items, strict=True)]
+    own_held = [i for i in held_idx if own is None or own[i]]
+    states = [(x, t, success[i]) for i in own_held for t, x in enumerate(v_states[i])]
     out: dict[str, Any] = {
+        "auc_v_states": auc_same_step(*map(list, zip(*states, strict=True))) if states else None,
+        "n_holdout_own": len(own_held),
         "auc_v1": auc([values[i]["v"][0] for i in held_idx], [success[i] for i in held_idx]),
         "auc_q": auc([min(values[i]["q1"][0], values[i]["q2"][0]) for i in held_idx], [success[i] for i in held_idx]),
         "ev": diagnostics.explained_variance([x for i in held_idx for x in v_states[i]],
