@@ -205,6 +205,34 @@ def test_auc_same_step_compares_states_only_within_a_step() -> None:
     assert auc_same_step([1.0, 0.0], [0, 1], [True, False]) is None  # no pair shares a step
 
 
+def test_progress_agreement_of_the_advantages() -> None:
+    """Two own episodes of one task (won: progress at step 1; lost: none) and a demo (ignored). Advantages by hand."""
+    from agentevo.algorithms.qevolve.recipe import progress_agreement, step_labels
+
+    def traj(rewards: list[float], final: float, source: str = "self") -> Trajectory:
+        steps = [Step(t, "o", "Action: x", [1], None, "x", "o2", r, False) for t, r in enumerate(rewards, start=1)]
+        return Trajectory(Task("e", "t0", "train", "k", {}, 9), source, source, "I", steps, final, final >= 1.0,
+                          goal="g")
+
+    trajs = [traj([0.5, 0.0], 1.0), traj([0.0, 0.0], 0.0), traj([1.0], 1.0, "expert")]
+    q = QEvolveConfig()
+    labels = [step_labels(t, q) for t in trajs]
+    values = [{"v": [0.0, 0.9, 0.0], "q1": [0, 0], "q2": [0, 0]}, {"v": [0.0, 0.1, 0.0], "q1": [0, 0], "q2": [0, 0]},
+              {"v": [0.0, 0.0], "q1": [0], "q2": [0]}]
+    # own steps: progress [T, F, F, F]; A = [0.1, 0.5, -0.2, 0.3]: the progress step beats 1 of 3 -> AUC 1/3
+    got = progress_agreement(q, trajs, labels, values, [[0.1, 0.5], [-0.2, 0.3], [9.0]])
+    assert got["progress_auc"] == pytest.approx(1 / 3) and got["progress_frac"] == 0.25
+    # outcome advantage (final - task mean 0.5): [+0.5, +0.5, -0.5, -0.5]: a tie and two wins -> 2.5 / 3
+    assert got["progress_auc_outcome"] == pytest.approx(2.5 / 3)
+    # one-step TD from V (r_env only at the last step, gamma 0.99): won [0.99*0.9, 1 - 0.9], lost [0.099, -0.1]
+    assert got[f"{dg.PROGRESS_AUC_IF}gae_lam0"] == pytest.approx(1.0)
+    rows = dg.critic_fit(got)
+    (row,) = [d for d in rows if d.name.startswith("AUC of A_t for steps that raised")]
+    assert row.verdict == "fail" and row.value == "0.333 (outcome-only advantage: 0.833)"
+    assert "(the episode's outcome alone gives 0.833)" in row.fix and "pr=gae lam=0 gives 1" in row.fix
+    assert progress_agreement(q, trajs[1:2], labels[1:2], values[1:2], [[0.0, 0.0]]) == {}  # no progress at all
+
+
 def test_fit_budget_counts_optimiser_steps_or_legacy_epochs() -> None:
     assert CriticFit(batch_size=4, steps=30).total_steps(10) == 30
     assert CriticFit(batch_size=4, epochs=2).total_steps(10) == 6  # ceil(10/4) per pass

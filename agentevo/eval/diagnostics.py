@@ -146,6 +146,7 @@ def _row(name: str, value: Any, verdict: str, fix: str, shown: str | None = None
 
 
 FLAGGED_GAP_IF = "flagged_gap_if_"  # + '<pr>_lam<lam>': the flagged-step gap under another process reward
+PROGRESS_AUC_IF = "progress_auc_if_"  # + '<pr>_lam<lam>': the progress AUC under another process reward
 
 
 def critic_fit(v: dict[str, Any]) -> list[Diagnostic]:
@@ -189,6 +190,18 @@ def critic_fit(v: dict[str, Any]) -> list[Diagnostic]:
                          grade(v["init_share"], 0.05, 0.5, higher_is_better=False),
                          "raise qevolve.polyak or qevolve.critic_steps",
                          f"{_fmt(v['init_share'])} after {_fmt(v.get('steps'))} steps"))
+    if v.get("progress_auc") is not None:
+        base = v.get("progress_auc_outcome")
+        better = [f"pr={k[len(PROGRESS_AUC_IF):].rpartition('_lam')[0]} lam={k.rpartition('_lam')[2]} gives "
+                  f"{_fmt(x)}" for k, x in v.items()
+                  if k.startswith(PROGRESS_AUC_IF) and isinstance(x, (int, float)) and x > v["progress_auc"] + 0.05]
+        fix = ("the advantages barely tell the steps that raised the score from the others"
+               + (f" (the episode's outcome alone gives {_fmt(base)})" if base is not None else "")
+               + ": fit the critic, or lower qevolve.lam so A_t follows V's ranking of the next state"
+               + ("; from this round's critic values, " + ", ".join(better) if better else ""))
+        rows.append(_row("AUC of A_t for steps that raised the env score (own episodes)", v["progress_auc"],
+                         grade(v["progress_auc"], 0.7, 0.6), fix,
+                         f"{_fmt(v['progress_auc'])} (outcome-only advantage: {_fmt(base)})"))
     gap = flagged_gap(v)
     if gap is not None:
         rows.append(_row("advantage of rule-flagged steps (invalid / format / repeat) − of the others", gap,

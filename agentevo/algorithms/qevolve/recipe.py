@@ -496,6 +496,7 @@ def compute_advantages(run: Run, r: int, data: Dataset, cache: dict[str, Any]) -
     is_flagged = [s.signal != SIGNAL_NONE for t in data.trajs for s in t.steps]
     flagged = diagnostics.flagged_advantage([a for adv in final for a in adv], is_flagged)
     flagged.update(flagged_gap_alternatives(q, labels, values, is_flagged))
+    flagged.update(progress_agreement(q, data.trajs, labels, values, final))
     run.logger.log("diag/qevolve", r, flagged)  # merged with the critic's record of this round in the report
     return {**stats, "diag": flagged}
 
@@ -519,6 +520,40 @@ def flagged_gap_alternatives(q: QEvolveConfig, labels: list[StepLabels], values:
         _, final = dataset_advantages(alt, labels, values)
         d = diagnostics.flagged_advantage([a for adv in final for a in adv], is_flagged)
         out[f"{GAP_IF}{pr}_lam{lam:g}"] = diagnostics.flagged_gap(d)
+    return out
+
+
+# the process rewards progress_agreement also scores from the same critic values: one-step TD errors, with and
+# without the rule rewards (lam 0 keeps V's own ranking of the next state; lam near 1 tends to the episode return)
+PROGRESS_ALTERNATIVES = (("gae", 0.0), ("gae_aux", 0.0))
+
+
+def progress_agreement(q: QEvolveConfig, trajs: list[Trajectory], labels: list[StepLabels],
+                       values: list[dict[str, list[float]]], final: list[list[float]]) -> dict[str, Any]:
+    """Does the process reward point the right way? Over the policy's own steps: the AUC of the training advantage
+    A_t for 'this step raised the environment's score' (progress), the same AUC for the outcome-only advantage that
+    every step of an episode shares (final reward minus its task's mean over D; what GRPO would give), and for the
+    PROGRESS_ALTERNATIVES from the same critic values ('progress_auc_if_<pr>_lam<lam>'). Empty where no own step
+    made progress or every one did."""
+    own = [i for i, t in enumerate(trajs) if t.source != "expert"]
+    progress = [s.reward > 0 for i in own for s in trajs[i].steps]
+    if not own or all(progress) or not any(progress):
+        return {}
+    by_task: dict[str, list[float]] = {}
+    for i in own:
+        by_task.setdefault(trajs[i].task.task_id, []).append(trajs[i].final_reward)
+    outcome = [trajs[i].final_reward - sum(by_task[trajs[i].task.task_id]) / len(by_task[trajs[i].task.task_id])
+               for i in own for _ in trajs[i].steps]
+    out: dict[str, Any] = {
+        "progress_auc": auc([a for i in own for a in final[i]], progress),
+        "progress_auc_outcome": auc(outcome, progress),
+        "progress_frac": sum(progress) / len(progress),
+    }
+    for pr, lam in PROGRESS_ALTERNATIVES:
+        if (pr, lam) == (q.pr, q.lam):
+            continue
+        alt = [process_rewards(pr, labels[i], values[i], q.gamma, lam) for i in own]
+        out[f"{diagnostics.PROGRESS_AUC_IF}{pr}_lam{lam:g}"] = auc([a for adv in alt for a in adv], progress)
     return out
 
 
