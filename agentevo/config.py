@@ -198,6 +198,11 @@ class OptimConfig:
     max_length: int = _help("samples longer than this (tokens) are left-truncated inside the history", 1024, ge=1)
     gradient_checkpointing: bool = _help("recompute activations in the backward pass instead of keeping them "
                                          "(less memory for long rows / large models, ~30% more compute)", False)
+    padding_free: bool = _help(
+        "pack each micro-batch's samples end to end into rows as wide as its longest sample (one row under "
+        "flash-attention), with position ids restarting per sample and no attention mask (a block-diagonal causal "
+        "mask; flash-attention varlen on a GPU): no compute on padding, the same token-mean losses. Applies to every policy update (BC and the "
+        "SFTs, RSD's distillation, Q-Evolve's and GRPO's updates); needs token-mean loss aggregation", False)
 
     def validate(self) -> None:
         if self.batch_size < self.micro_batch_size:
@@ -286,9 +291,30 @@ class RunConfig:
             value = getattr(self, f.name)
             if dataclasses.is_dataclass(value) and hasattr(value, "validate"):
                 value.validate()
+        if self.optim.padding_free:
+            check_padding_free(self)
         if self.method == "selfguide" and self.selfguide.demo_verdicts == "self" and self.model.path is None:
             raise ConfigError("selfguide.demo_verdicts=self needs a pretrained model (set model.path): a tiny model "
                               "built from scratch cannot judge a step before training; use demo_verdicts=oracle")
+
+
+def check_padding_free(cfg: RunConfig) -> None:
+    """optim.padding_free needs losses that are token means (a packed row holds several samples) and a
+    transformers that reads packed position ids."""
+    for section in ("qevolve", "grpo"):
+        agg = getattr(cfg, section).loss_agg
+        if agg != "token-mean" and (cfg.method == section or (section == "grpo" and cfg.method == "selfguide")):
+            raise ConfigError(f"optim.padding_free packs several samples into one row, so {section}.loss_agg={agg} "
+                              f"would average over packed rows, not sequences; set {section}.loss_agg=token-mean "
+                              "or optim.padding_free=false")
+    import transformers.masking_utils as masking
+
+    if not hasattr(masking, "find_packed_sequence_indices"):
+        from importlib.metadata import version
+
+        raise ConfigError(f"optim.padding_free needs a transformers that masks packed sequences by their position "
+                          f"ids (masking_utils.find_packed_sequence_indices; installed {version('transformers')} has "
+                          "none); upgrade transformers or set optim.padding_free=false")
 
 
 # -- loading ----------------------------------------------------------------------------------------

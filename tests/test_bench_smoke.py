@@ -39,6 +39,13 @@ def test_bench_logprobs_smoke(monkeypatch: pytest.MonkeyPatch) -> None:
     assert out["plain_mb"] >= 0 and out["chunked_mb"] >= 0  # tiny shapes may not move the peak RSS
 
 
+def test_bench_packing_smoke(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    out = _bench("bench_packing", monkeypatch).main(["--smoke", "--out", str(tmp_path / "pack.json")])
+    for r in out["results"]:
+        assert r["loss_max_abs_diff"] < 1e-4  # packing changes no loss
+        assert r["real_tokens"] <= r["packed_tokens"] <= r["padded_tokens"] and r["ratio"] > 0
+
+
 def test_bench_rollout_smoke_prints_like_for_like_ratios(monkeypatch, capsys, smoke_bc) -> None:  # noqa: ANN001
     out = _bench("bench_rollout", monkeypatch).main(["--smoke", "--model", str(smoke_bc / "checkpoints" / "bc")])
     r = out["rates"]

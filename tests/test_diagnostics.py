@@ -77,8 +77,14 @@ def test_critic_verdicts_for_the_studies_critic_and_a_fitted_one() -> None:
     assert rows[0].fix.startswith("raise qevolve.critic_steps (ran 17; 500 fits") and "held-out episodes" not in rows[0].fix
     # few held-out episodes: the fix says the AUC itself is noisy (Mann-Whitney SE ~ 1 / sqrt(3 * 45) = 0.086)
     assert rows[0].fix == dg.critic_fit(dict(old, n_holdout=200))[0].fix
-    assert dg.critic_fit(dict(old, n_holdout=45))[0].fix.endswith(
-        "; with 45 held-out episodes the AUC's standard error is ~0.09, so also hold out more (qevolve.critic_holdout)")
+    assert ("; with 45 held-out episodes the AUC's standard error is ~0.09, so also hold out more "
+            "(qevolve.critic_holdout); V(s_1) sees only the task") in dg.critic_fit(dict(old, n_holdout=45))[0].fix
+    # the states' AUC (within a step) comes first; a critic can pass it while V(s_1), which sees only the task, fails
+    states = dg.critic_fit(dict(old, auc_v_states=0.78))
+    assert [(d.name, d.verdict) for d in states[:2]] == [
+        ("held-out AUC of V(s_t) for the episode's success (own episodes, states at the same step)", "pass"),
+        ("held-out AUC of V(s_1) for success", "fail")]
+    assert states[0].fix == "" and states[1].fix.endswith("read it beside the row above")
     good = dict(old, auc_v1=0.9, auc_q=0.9, v_std=0.3, ev=0.6, target_drift=0.01, init_share=1e-11, steps=500)
     assert {d.verdict for d in dg.critic_fit(good)} == {"pass"} and all(d.fix == "" for d in dg.critic_fit(good))
     assert dg.critic_fit({"auc_v1": None})[0].verdict == "n/a"
@@ -175,12 +181,56 @@ def test_the_default_critic_budget_fits_and_the_old_one_does_not(tiny_policy) ->
     new = _fit(tiny_policy, trajs, q.critic_steps, q.polyak)
     old = _fit(tiny_policy, trajs, 17, 0.005)
     assert new["auc_v1"] > 0.8 and new["auc_q"] > 0.8 and new["ev"] > 0.3
+    assert new["auc_v_states"] > 0.8 and new["n_holdout_own"] == 16  # the open fridge is in both states' prompt
     # 17 steps: V is flat and explains nothing (its AUC rests on a random head's projection, so EV decides too)
     assert old["auc_v1"] < 0.8 and old["ev"] < 0.05
     assert new["v_std"] > 0.3 * new["return_std"] > old["v_std"]
     assert old["init_share"] == pytest.approx(0.995**17) and new["init_share"] < 1e-10
     assert new["target_drift"] > 0.8 * new["online_drift"] and old["target_drift"] < 0.5 * old["online_drift"]
     assert dg.worst(dg.critic_fit(new)) == "pass" and dg.worst(dg.critic_fit(old)) == "fail"
+
+
+def test_auc_same_step_compares_states_only_within_a_step() -> None:
+    from agentevo.eval.metrics import auc, auc_same_step
+
+    # a success of 2 steps and a failure of 4; V = -t ranks every success state above the later failure states
+    steps = [0, 1, 0, 1, 2, 3]
+    won = [True, True, False, False, False, False]
+    minus_t = [-t for t in steps]
+    assert auc(minus_t, won) == pytest.approx(6 / 8)  # plain AUC rewards V for falling with t
+    assert auc_same_step(minus_t, steps, won) == 0.5  # within a step: all ties
+    # by hand: step 0 compares 0.9 vs 0.2 (win), step 1 compares 0.1 vs 0.4 (loss); steps 2-3 have no success
+    assert auc_same_step([0.9, 0.1, 0.2, 0.4, 0.0, 0.0], steps, won) == 0.5
+    assert auc_same_step([0.9, 0.8, 0.2, 0.4, 0.0, 0.0], steps, won) == 1.0
+    assert auc_same_step([1.0, 0.0], [0, 1], [True, False]) is None  # no pair shares a step
+
+
+def test_progress_agreement_of_the_advantages() -> None:
+    """Two own episodes of one task (won: progress at step 1; lost: none) and a demo (ignored). Advantages by hand."""
+    from agentevo.algorithms.qevolve.recipe import progress_agreement, step_labels
+
+    def traj(rewards: list[float], final: float, source: str = "self") -> Trajectory:
+        steps = [Step(t, "o", "Action: x", [1], None, "x", "o2", r, False) for t, r in enumerate(rewards, start=1)]
+        return Trajectory(Task("e", "t0", "train", "k", {}, 9), source, source, "I", steps, final, final >= 1.0,
+                          goal="g")
+
+    trajs = [traj([0.5, 0.0], 1.0), traj([0.0, 0.0], 0.0), traj([1.0], 1.0, "expert")]
+    q = QEvolveConfig()
+    labels = [step_labels(t, q) for t in trajs]
+    values = [{"v": [0.0, 0.9, 0.0], "q1": [0, 0], "q2": [0, 0]}, {"v": [0.0, 0.1, 0.0], "q1": [0, 0], "q2": [0, 0]},
+              {"v": [0.0, 0.0], "q1": [0], "q2": [0]}]
+    # own steps: progress [T, F, F, F]; A = [0.1, 0.5, -0.2, 0.3]: the progress step beats 1 of 3 -> AUC 1/3
+    got = progress_agreement(q, trajs, labels, values, [[0.1, 0.5], [-0.2, 0.3], [9.0]])
+    assert got["progress_auc"] == pytest.approx(1 / 3) and got["progress_frac"] == 0.25
+    # outcome advantage (final - task mean 0.5): [+0.5, +0.5, -0.5, -0.5]: a tie and two wins -> 2.5 / 3
+    assert got["progress_auc_outcome"] == pytest.approx(2.5 / 3)
+    # one-step TD from V (r_env only at the last step, gamma 0.99): won [0.99*0.9, 1 - 0.9], lost [0.099, -0.1]
+    assert got[f"{dg.PROGRESS_AUC_IF}gae_lam0"] == pytest.approx(1.0)
+    rows = dg.critic_fit(got)
+    (row,) = [d for d in rows if d.name.startswith("AUC of A_t for steps that raised")]
+    assert row.verdict == "fail" and row.value == "0.333 (outcome-only advantage: 0.833)"
+    assert "(the episode's outcome alone gives 0.833)" in row.fix and "pr=gae lam=0 gives 1" in row.fix
+    assert progress_agreement(q, trajs[1:2], labels[1:2], values[1:2], [[0.0, 0.0]]) == {}  # no progress at all
 
 
 def test_fit_budget_counts_optimiser_steps_or_legacy_epochs() -> None:

@@ -630,7 +630,8 @@ def run(run: Run) -> dict[str, Any]:
         labels = [s.labels["q"][0] for s in samples]
         qnet = QNet(policy.model, q.head_hidden)
         optim = dataclasses.replace(cfg.optim, lr=q.lr, epochs=q.epochs, batch_size=q.batch_size,
-                                    micro_batch_size=q.micro_batch_size, warmup_ratio=q.warmup_ratio)
+                                    micro_batch_size=q.micro_batch_size, warmup_ratio=q.warmup_ratio,
+                                    padding_free=False)  # the Q-net reads each row's last token: rows stay padded
         with run.progress("QNet training") as bar:
             stats = train(qnet, samples, qnet_loss_fn(q.loss_tokens), optim, policy.pad_id,
                           run.checkpoint_dir("qnet-work"), cfg.seed, run.logger, "qlass/qnet/train", policy.tokenizer,

@@ -7,6 +7,7 @@ exactly those reply ids.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 from agentevo.agent.chat import ChatRenderer
 from agentevo.agent.prompt import HistoryTurn, build_messages
 from agentevo.data.types import Trajectory
+from agentevo.errors import ConfigError
 
 
 @dataclass
@@ -143,6 +145,106 @@ def collate(samples: list[StepSample], pad_id: int) -> dict[str, Any]:
     return batch
 
 
+def pack_bins(lengths: list[int], width: int) -> list[list[int]]:
+    """First-fit decreasing: sample indices grouped into rows of at most `width` tokens (longest first, ties by
+    index, so the packing is a pure function of the lengths)."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda k: (-lengths[k], k)):
+        for b, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            if lengths[i] > width:
+                raise ValueError(f"a sample of {lengths[i]} tokens does not fit a packed row of {width}")
+            bins.append([i])
+            room.append(width - lengths[i])
+    return bins
+
+
+def pack_batch(batch: dict[str, Any], pad_id: int, one_row: bool = False) -> dict[str, Any]:
+    """A padded batch (collate's) repacked without padding between samples (`optim.padding_free`).
+
+    Samples are placed end to end in rows as wide as the longest one (pack_bins), so no row is longer than the
+    padded batch and a dense masked attention (sdpa, eager) costs no more; with `one_row` all of them go into one
+    row, which is what flash-attention's variable-length kernel wants (its cost is per sample, not per row).
+    `position_ids` restart at 0 with every sample and the attention mask is dropped, so transformers builds a
+    block-diagonal causal mask from them (flash-attention: cumulative lengths) and no token sees another sample. Each row's free tail is filled with pad tokens whose positions also restart
+    at 0: a segment of its own that no sample attends to and no loss counts. Every other [n, width] tensor moves with
+    its tokens (padding: step_id -1, the rest 0); per-token sums and token means are unchanged, per-row reductions
+    are not (the callers refuse per-sequence loss aggregation with padding_free).
+    """
+    attention = batch["attention_mask"]
+    lengths = [int(n) for n in attention.sum(dim=1).tolist()]
+    width = sum(lengths) if one_row else attention.shape[1]
+    bins = [list(range(len(lengths)))] if one_row else pack_bins(lengths, width)
+    fill = {"input_ids": pad_id, "step_id": -1}
+    keys = [k for k, v in batch.items() if k != "attention_mask" and isinstance(v, torch.Tensor)
+            and v.shape[:2] == attention.shape]
+    out: dict[str, Any] = {k: v for k, v in batch.items() if k not in keys and k != "attention_mask"}
+    for key in keys:
+        src = batch[key]
+        packed = torch.full((len(bins), width), fill.get(key, 0), dtype=src.dtype)
+        for row, members in enumerate(bins):
+            offset = 0
+            for i in members:
+                packed[row, offset : offset + lengths[i]] = src[i, : lengths[i]]
+                offset += lengths[i]
+        out[key] = packed
+    positions = torch.zeros((len(bins), width), dtype=torch.long)
+    for row, members in enumerate(bins):
+        offset = 0
+        for n in [lengths[i] for i in members] + [width - sum(lengths[i] for i in members)]:
+            positions[row, offset : offset + n] = torch.arange(n)
+            offset += n
+    out["position_ids"] = positions
+    return out
+
+
+def collate_padding_free(samples: list[StepSample], pad_id: int, one_row: bool = False) -> dict[str, Any]:
+    """collate() then pack_batch(): the same tokens and labels in fewer, unpadded rows."""
+    return pack_batch(collate(samples, pad_id), pad_id, one_row)
+
+
+def padding_free_collate(model: Any) -> Callable[[list[StepSample], int], dict[str, Any]]:
+    """The packing collate for this model: one row per micro-batch under flash-attention (variable-length
+    kernels), rows no wider than the longest sample under dense-mask attention (sdpa, eager)."""
+    config = getattr(model, "config", None)
+    if "flash" in str(getattr(config, "_attn_implementation", "") or ""):
+        return lambda samples, pad_id: collate_padding_free(samples, pad_id, one_row=True)
+    return collate_padding_free
+
+
+def forward_logits(model: Any, batch: dict[str, Any]) -> torch.Tensor:
+    """The model's logits for a padded batch (attention_mask) or a packed one (position_ids, no mask).
+
+    Packed: use_cache=False, because transformers only turns packed position ids into a block-diagonal mask when no
+    KV cache is built (with one, the samples of a row would attend to each other)."""
+    if "position_ids" in batch:
+        return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+
+
+def verify_packing(model: Any, vocab_size: int) -> None:
+    """ConfigError unless this model keeps packed samples apart: the second of two packed 8-token samples must get
+    the logits it gets alone (a model or attention kernel that ignores packed position ids would let it read the
+    first). Run once before a padding-free phase; costs two forwards of 16 tokens."""
+    param = next(model.parameters())
+    ids = torch.randint(5, max(6, vocab_size), (1, 16), generator=torch.Generator().manual_seed(0)).to(param.device)
+    positions = torch.cat([torch.arange(8), torch.arange(8)]).unsqueeze(0).to(param.device)
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0, 8:].float()
+        alone = model(input_ids=ids[:, 8:], use_cache=False).logits[0].float()
+    tolerance = 1e-3 if param.dtype == torch.float32 else 5e-2
+    gap = float((packed - alone).abs().max())
+    if gap > tolerance:
+        raise ConfigError(f"optim.padding_free: this model lets packed samples attend to each other (logits differ by "
+                          f"{gap:.3g} from the sample alone; its attention ignores packed position ids); set "
+                          "optim.padding_free=false")
+
+
 def reply_logprobs(model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of every token given its prefix, aligned to input positions (column 0 is 0), and the reply mask.
     The forward runs under placement.autocast(), as training forwards and generation do, so log-probs scored here
@@ -152,6 +254,6 @@ def reply_logprobs(model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, tor
     from agentevo.models import placement
 
     with placement.autocast():
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logits = forward_logits(model, batch)
     picked = token_logprobs(logits, batch["input_ids"])
     return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1), batch["action_mask"]

@@ -146,6 +146,7 @@ def _row(name: str, value: Any, verdict: str, fix: str, shown: str | None = None
 
 
 FLAGGED_GAP_IF = "flagged_gap_if_"  # + '<pr>_lam<lam>': the flagged-step gap under another process reward
+PROGRESS_AUC_IF = "progress_auc_if_"  # + '<pr>_lam<lam>': the progress AUC under another process reward
 
 
 def critic_fit(v: dict[str, Any]) -> list[Diagnostic]:
@@ -159,10 +160,18 @@ def critic_fit(v: dict[str, Any]) -> list[Diagnostic]:
     # Mann-Whitney null variance (n1 + n2 + 1) / (12 n1 n2): about 1 / (3n) when the outcomes are balanced
     noisy = (f"; with {n_held} held-out episodes the AUC's standard error is ~{1 / (3 * n_held) ** 0.5:.2f}, so also hold "
              "out more (qevolve.critic_holdout)") if n_held and n_held < 100 else ""
+    if "auc_v_states" in v:
+        # every state of the held-out own episodes; pairs only within a step, so V cannot score by t alone
+        verdict = grade(v["auc_v_states"], 0.7, 0.6)
+        rows.append(_row("held-out AUC of V(s_t) for the episode's success (own episodes, states at the same step)",
+                         v["auc_v_states"], verdict, few if verdict == NA else budget))
     for key, name in (("auc_v1", "held-out AUC of V(s_1) for success"), ("auc_q", "held-out AUC of min Q(s_1,a_1)")):
         if key in v:
             verdict = grade(v[key], 0.7, 0.6)
-            rows.append(_row(name, v[key], verdict, few if verdict == NA else budget + noisy))
+            # s_1 only shows the task: V(s_1) can rank no better than the tasks' difficulty shows in it
+            first = ("; V(s_1) sees only the task, so it ranks episodes no better than task difficulty shows in the "
+                     "first observation: read it beside the row above")
+            rows.append(_row(name, v[key], verdict, few if verdict == NA else budget + noisy + first))
     if "v_std" in v:
         ratio = v["v_std"] / v["return_std"] if v.get("return_std") else None
         rows.append(_row("V spread (std over states / std of returns-to-go)", ratio, grade(ratio, 0.3, 0.1),
@@ -181,6 +190,18 @@ def critic_fit(v: dict[str, Any]) -> list[Diagnostic]:
                          grade(v["init_share"], 0.05, 0.5, higher_is_better=False),
                          "raise qevolve.polyak or qevolve.critic_steps",
                          f"{_fmt(v['init_share'])} after {_fmt(v.get('steps'))} steps"))
+    if v.get("progress_auc") is not None:
+        base = v.get("progress_auc_outcome")
+        better = [f"pr={k[len(PROGRESS_AUC_IF):].rpartition('_lam')[0]} lam={k.rpartition('_lam')[2]} gives "
+                  f"{_fmt(x)}" for k, x in v.items()
+                  if k.startswith(PROGRESS_AUC_IF) and isinstance(x, (int, float)) and x > v["progress_auc"] + 0.05]
+        fix = ("the advantages barely tell the steps that raised the score from the others"
+               + (f" (the episode's outcome alone gives {_fmt(base)})" if base is not None else "")
+               + ": fit the critic, or lower qevolve.lam so A_t follows V's ranking of the next state"
+               + ("; from this round's critic values, " + ", ".join(better) if better else ""))
+        rows.append(_row("AUC of A_t for steps that raised the env score (own episodes)", v["progress_auc"],
+                         grade(v["progress_auc"], 0.7, 0.6), fix,
+                         f"{_fmt(v['progress_auc'])} (outcome-only advantage: {_fmt(base)})"))
     gap = flagged_gap(v)
     if gap is not None:
         rows.append(_row("advantage of rule-flagged steps (invalid / format / repeat) − of the others", gap,

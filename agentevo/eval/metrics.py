@@ -63,3 +63,18 @@ def auc(scores: Sequence[float], positive: Sequence[bool]) -> float | None:
         return None
     wins = sum((a > b) + 0.5 * (a == b) for a in pos for b in neg)
     return wins / (len(pos) * len(neg))
+
+
+def auc_same_step(scores: Sequence[float], steps: Sequence[int], positive: Sequence[bool]) -> float | None:
+    """ROC AUC that compares a positive and a negative only when they share a step index (pairs pooled over steps);
+    None without such a pair. A state value V(s_t) scored this way cannot gain from t alone: failed episodes run
+    longer, so a V that just falls with t gets a plain AUC above 0.5 and exactly 0.5 here."""
+    by_step: dict[int, tuple[list[float], list[float]]] = {}
+    for s, t, p in zip(scores, steps, positive, strict=True):
+        by_step.setdefault(t, ([], []))[0 if p else 1].append(s)
+    wins = pairs = 0.0
+    for pos, neg in by_step.values():
+        wins += sum((a > b) + 0.5 * (a == b) for a in pos for b in neg)
+        pairs += len(pos) * len(neg)
+    return wins / pairs if pairs else None
+

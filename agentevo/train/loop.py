@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from agentevo.config import OptimConfig
-from agentevo.data.tensors import StepSample, collate
+from agentevo.data.tensors import StepSample, collate, padding_free_collate, verify_packing
 from agentevo.errors import AgentevoError, ConfigError
 from agentevo.models import placement
 from agentevo.models.backend import DamagedCheckpointError, verify_manifest, write_manifest
@@ -223,7 +223,8 @@ def train(
     """Optimise loss_fn over the samples for cfg.epochs; resumes from work_dir/last if a run was interrupted.
 
     `collate_fn` turns a micro-batch of samples into tensors (default: StepSample rows; DPO passes pairs);
-    `schedule` is the learning-rate shape after warmup: "cosine" or "constant".
+    `schedule` is the learning-rate shape after warmup: "cosine" or "constant". With cfg.padding_free the default
+    collate packs each micro-batch (data.tensors.pack_batch); a custom collate_fn is used as it is.
     Under `accelerate launch` each process runs its share of every optimiser step's micro-batches
     (rank_micro_batches); logged values are means over the whole step, identical on every rank, and only rank 0
     writes logs and checkpoints. `gradient_checkpointing` (or cfg.gradient_checkpointing) trades compute for
@@ -250,6 +251,9 @@ def train(
     # An explicit plugin: ACCELERATE_GRADIENT_ACCUMULATION_STEPS from a launcher config must not override the split.
     accelerator = Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=accum // world),
                               cpu=cpu, **kwargs)
+    if cfg.padding_free and collate_fn is collate:  # custom row types (DPO pairs, Q-net rows) stay padded
+        verify_packing(model, int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0))
+        collate_fn = padding_free_collate(model)
     plan = plan_micro_batches(len(samples), cfg, seed)
     total_steps = len(plan) // accum
     warmup = int(cfg.warmup_ratio * total_steps)

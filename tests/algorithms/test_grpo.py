@@ -220,6 +220,32 @@ def test_one_update_prefers_the_positive_reply(tiny_policy) -> None:  # noqa: AN
     assert delta[0] > 0 and delta[0] - delta[1] > 1.0
 
 
+def test_padding_free_update_gives_the_padded_update(tiny_policy) -> None:  # noqa: ANN001
+    """optim.padding_free in GRPO's own update loop: a 6-step trajectory and two 1-step ones in one micro-batch;
+    packed, the short two share a row as wide as the long one. Statistics and trained weights equal the padded
+    update's."""
+    cfg = GRPOConfig(lr=3e-3, batch_size=3, micro_batch_size=3, beta_kl=0.1)
+    results = []
+    for free in (False, True):
+        policy = copy.deepcopy(tiny_policy)
+        group = [_traj(policy, ["take knife", "open fridge"] * 3, 1.0), _traj(policy, ["open fridge"], 0.0),
+                 _traj(policy, ["take knife"], 0.0)]
+        adv = outcome_advantages(group_returns(group, cfg), cfg)
+        samples = [s for k, (t, a) in enumerate(zip(group, adv.tolist(), strict=True))
+                   for s in outcome_samples(policy.renderer, t, k, a, cfg, 20, 4096)]
+        add_ref_logprobs(policy.model, samples, policy.pad_id, 3)
+        run_cfg = RunConfig()
+        run_cfg.optim.padding_free = free
+        trainer = PolicyTrainer(policy, run_cfg, cfg)
+        assert len(trainer.collate(samples, policy.pad_id)["input_ids"]) == (2 if free else 3)
+        results.append((trainer.update(samples, grpo_loss(cfg), seed=0), [p.detach().clone() for p in
+                                                                          policy.model.parameters()]))
+    (stats_pad, w_pad), (stats_free, w_free) = results
+    for key in ("loss", "pg_loss", "kl", "tokens", "ratio_mean"):
+        assert stats_free[key] == pytest.approx(stats_pad[key], abs=1e-5), key
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(w_pad, w_free, strict=True))
+
+
 def test_trainer_checkpoint_round_trip(tiny_policy, tmp_path) -> None:  # noqa: ANN001
     policy = copy.deepcopy(tiny_policy)
     cfg = GRPOConfig(lr=1e-3, batch_size=1, micro_batch_size=1)

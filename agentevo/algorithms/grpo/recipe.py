@@ -41,7 +41,14 @@ from agentevo.algorithms import losses
 from agentevo.algorithms.advantages import group_normalise
 from agentevo.algorithms.bc import warm_start
 from agentevo.algorithms.grpo.config import GRPOConfig
-from agentevo.data.tensors import StepSample, collate, trajectory_samples
+from agentevo.data.tensors import (
+    StepSample,
+    collate,
+    forward_logits,
+    padding_free_collate,
+    trajectory_samples,
+    verify_packing,
+)
 from agentevo.data.types import Step, Trajectory
 from agentevo.envs.base import Task
 from agentevo.errors import AgentevoError, ConfigError
@@ -183,7 +190,7 @@ def grpo_loss(cfg: GRPOConfig) -> LossFn:
     """Clipped-ratio objective against the behaviour log-probs plus β·k3 KL to the reference, aggregated per cfg."""
 
     def loss_fn(model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logits = forward_logits(model, batch)
         picked = losses.token_logprobs(logits, batch["input_ids"])
         logp = torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)  # aligned to input positions
         mask = batch["action_mask"]
@@ -215,6 +222,9 @@ class PolicyTrainer:
         self.policy, self.cfg = policy, cfg
         self.lora = run_cfg.model.lora.enabled
         self.model = with_lora(policy, run_cfg)
+        self.collate = padding_free_collate(policy.model) if run_cfg.optim.padding_free else collate
+        if run_cfg.optim.padding_free:
+            verify_packing(self.model, int(policy.model.config.vocab_size))
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.params = params
         # Constant lr, one optimiser for the whole run: RL updates are a stream, not separate fine-tunings [O].
@@ -267,7 +277,7 @@ class PolicyTrainer:
                 acc: dict[str, float] = {}
                 local = self._local_micro_batches(micro)
                 for n, (ids, scale) in enumerate(local):
-                    batch = {k: v.to(device) for k, v in collate([samples[i] for i in ids], self.policy.pad_id).items()}
+                    batch = {k: v.to(device) for k, v in self.collate([samples[i] for i in ids], self.policy.pad_id).items()}
                     sync = self.accelerator is None or n == len(local) - 1
                     with contextlib.nullcontext() if sync else self.accelerator.no_sync(model):
                         loss, stats = loss_fn(model, batch)

@@ -37,12 +37,12 @@ from agentevo.algorithms import losses
 from agentevo.algorithms.bc import ensure_reply_ids, warm_start
 from agentevo.algorithms.qevolve.config import QEvolveConfig
 from agentevo.data.store import ExperienceStore
-from agentevo.data.tensors import StepSample, collate, reply_logprobs, trajectory_samples
+from agentevo.data.tensors import StepSample, collate, forward_logits, reply_logprobs, trajectory_samples
 from agentevo.data.types import Trajectory
 from agentevo.envs.base import SIGNAL_NONE, SIGNALS
 from agentevo.errors import ConfigError
 from agentevo.eval import diagnostics
-from agentevo.eval.metrics import auc, summarize
+from agentevo.eval.metrics import auc, auc_same_step, summarize
 from agentevo.models.backend import Generation, Sampling, TransformersPolicy, load_pretrained
 from agentevo.models.critic import (
     Critic,
@@ -380,20 +380,27 @@ def train_critic(run: Run, r: int, data: Dataset, cache: dict[str, Any]) -> dict
     }
     run.logger.log(f"round-{r}/critic", 0, {k: v for k, v in stats.items() if v is not None})
     diag = critic_diagnostics(items, all_values, held, [t.success for t in data.trajs], q.gamma, q.polyak,
-                              epochs[-1] if epochs else {})
+                              epochs[-1] if epochs else {}, own=[t.source != "expert" for t in data.trajs])
     run.logger.log("diag/qevolve", r, diag)
     return {**stats, "diag": diag}
 
 
 def critic_diagnostics(items: list[CriticItem], values: list[dict[str, list[float]]], held: list[bool],
-                       success: list[bool], gamma: float, polyak: float, last: dict[str, float]) -> dict[str, Any]:
-    """Does the critic fit? Held-out AUC of V(s_1) and min Q(s_1, a_1) for success, explained variance of the
-    held-out returns-to-go (of the critic's reward) by V, V spread against the returns' spread over D, and how far
-    the target heads moved from their init (names of diagnostics.critic_fit)."""
+                       success: list[bool], gamma: float, polyak: float, last: dict[str, float],
+                       own: list[bool] | None = None) -> dict[str, Any]:
+    """Does the critic fit? Held-out AUC of V(s_t) for the episode's success over every state of the policy's own
+    episodes, comparing states at the same step t (`own` marks them; all held-out episodes when None); of V(s_1) and
+    min Q(s_1, a_1); explained variance of the held-out returns-to-go (of the critic's reward) by V, V spread
+    against the returns' spread over D, and how far the target heads moved from their init (names of
+    diagnostics.critic_fit)."""
     held_idx = [i for i, h in enumerate(held) if h]
     g_all = [diagnostics.returns_to_go(it.rewards, gamma) for it in items]
     v_states = [v["v"][: it.T] for v, it in zip(values, items, strict=True)]
+    own_held = [i for i in held_idx if own is None or own[i]]
+    states = [(x, t, success[i]) for i in own_held for t, x in enumerate(v_states[i])]
     out: dict[str, Any] = {
+        "auc_v_states": auc_same_step(*map(list, zip(*states, strict=True))) if states else None,
+        "n_holdout_own": len(own_held),
         "auc_v1": auc([values[i]["v"][0] for i in held_idx], [success[i] for i in held_idx]),
         "auc_q": auc([min(values[i]["q1"][0], values[i]["q2"][0]) for i in held_idx], [success[i] for i in held_idx]),
         "ev": diagnostics.explained_variance([x for i in held_idx for x in v_states[i]],
@@ -489,6 +496,7 @@ def compute_advantages(run: Run, r: int, data: Dataset, cache: dict[str, Any]) -
     is_flagged = [s.signal != SIGNAL_NONE for t in data.trajs for s in t.steps]
     flagged = diagnostics.flagged_advantage([a for adv in final for a in adv], is_flagged)
     flagged.update(flagged_gap_alternatives(q, labels, values, is_flagged))
+    flagged.update(progress_agreement(q, data.trajs, labels, values, final))
     run.logger.log("diag/qevolve", r, flagged)  # merged with the critic's record of this round in the report
     return {**stats, "diag": flagged}
 
@@ -512,6 +520,40 @@ def flagged_gap_alternatives(q: QEvolveConfig, labels: list[StepLabels], values:
         _, final = dataset_advantages(alt, labels, values)
         d = diagnostics.flagged_advantage([a for adv in final for a in adv], is_flagged)
         out[f"{GAP_IF}{pr}_lam{lam:g}"] = diagnostics.flagged_gap(d)
+    return out
+
+
+# the process rewards progress_agreement also scores from the same critic values: one-step TD errors, with and
+# without the rule rewards (lam 0 keeps V's own ranking of the next state; lam near 1 tends to the episode return)
+PROGRESS_ALTERNATIVES = (("gae", 0.0), ("gae_aux", 0.0))
+
+
+def progress_agreement(q: QEvolveConfig, trajs: list[Trajectory], labels: list[StepLabels],
+                       values: list[dict[str, list[float]]], final: list[list[float]]) -> dict[str, Any]:
+    """Does the process reward point the right way? Over the policy's own steps: the AUC of the training advantage
+    A_t for 'this step raised the environment's score' (progress), the same AUC for the outcome-only advantage that
+    every step of an episode shares (final reward minus its task's mean over D; what GRPO would give), and for the
+    PROGRESS_ALTERNATIVES from the same critic values ('progress_auc_if_<pr>_lam<lam>'). Empty where no own step
+    made progress or every one did."""
+    own = [i for i, t in enumerate(trajs) if t.source != "expert"]
+    progress = [s.reward > 0 for i in own for s in trajs[i].steps]
+    if not own or all(progress) or not any(progress):
+        return {}
+    by_task: dict[str, list[float]] = {}
+    for i in own:
+        by_task.setdefault(trajs[i].task.task_id, []).append(trajs[i].final_reward)
+    outcome = [trajs[i].final_reward - sum(by_task[trajs[i].task.task_id]) / len(by_task[trajs[i].task.task_id])
+               for i in own for _ in trajs[i].steps]
+    out: dict[str, Any] = {
+        "progress_auc": auc([a for i in own for a in final[i]], progress),
+        "progress_auc_outcome": auc(outcome, progress),
+        "progress_frac": sum(progress) / len(progress),
+    }
+    for pr, lam in PROGRESS_ALTERNATIVES:
+        if (pr, lam) == (q.pr, q.lam):
+            continue
+        alt = [process_rewards(pr, labels[i], values[i], q.gamma, lam) for i in own]
+        out[f"{diagnostics.PROGRESS_AUC_IF}{pr}_lam{lam:g}"] = auc([a for adv in alt for a in adv], progress)
     return out
 
 
@@ -594,7 +636,7 @@ def policy_loss(q: QEvolveConfig) -> Callable[[Any, dict[str, Any]], tuple[torch
     """The step-5 loss: -J_clip + alpha * KL_k3(pi || pi_BC) (bppo), or the AWR loss (awr)."""
 
     def loss_fn(model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logits = forward_logits(model, batch)
         picked = losses.token_logprobs(logits, batch["input_ids"])
         logp = torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)  # aligned to input positions
         mask = batch["action_mask"]

@@ -61,7 +61,7 @@ from agentevo.algorithms.rsd.context import (
 )
 from agentevo.algorithms.rsd.writers import RuleWriter, http_client_from_config, make_writer
 from agentevo.algorithms.selfguide.recipe import GuidedExpertActor
-from agentevo.data.tensors import StepSample, collate, trajectory_samples
+from agentevo.data.tensors import StepSample, collate, forward_logits, trajectory_samples
 from agentevo.data.types import Step, Trajectory
 from agentevo.envs.base import SIGNAL_NONE, Task, sample_tasks
 from agentevo.errors import AgentevoError
@@ -160,7 +160,7 @@ def make_distill_loss(cache: TeacherCache, kind: str = "forward", beta: float = 
     """loss_fn(model, batch) for train(): token-mean divergence to the cached teacher top-k on reply tokens."""
 
     def loss_fn(model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+        logits = forward_logits(model, batch)[:, :-1]
         mask = batch["action_mask"][:, 1:]
         # Logits at position p-1 predict the token at p: the reply token's cache row index sits at p.
         index = batch["tk_index"][:, 1:].round().long().clamp(min=0).cpu()

@@ -33,6 +33,7 @@ guide-BC model evaluated with its guides, no RL; 'train' = Self-Guide + GRPO.
 
 from __future__ import annotations
 
+import inspect
 import random
 import re
 import time
@@ -402,15 +403,35 @@ class SelfJudge:
 
 @torch.no_grad()
 def continuation_logprobs(policy: Any, prompt: list[int], conts: Sequence[Sequence[int]]) -> list[float]:
-    """Sum of log p(continuation | prompt) for each continuation, in one batch padded by `collate`. Scored in the
-    model's own precision, outside the run's autocast: the judge's verdicts were measured that way (under bf16 autocast
-    SmolLM2 judges 1 of 25 wrong-button steps of the guide probe differently; docs/studies/real_model_probes)."""
-    n = len(prompt)
-    rows = [StepSample([*prompt, *c], [(n, n + len(c))], 0, [1]) for c in conts]
-    device = next(policy.model.parameters()).device
+    """Sum of log p(continuation | prompt) for each continuation. The prompt runs once and its KV cache is shared
+    by the continuations, which then run as one right-padded batch of their own tokens (a judge's prompt is hundreds
+    of tokens, its continuations a sentence). Scored in the model's own precision, outside the run's autocast: the
+    judge's verdicts were measured that way (under bf16 autocast SmolLM2 judges 1 of 25 wrong-button steps of the
+    guide probe differently; docs/studies/real_model_probes)."""
+    model = policy.model
+    device = next(model.parameters()).device
+    if len(prompt) < 2:  # nothing to cache: one padded batch of prompt + continuation
+        n = len(prompt)
+        rows = [StepSample([*prompt, *c], [(n, n + len(c))], 0, [1]) for c in conts]
+        batch = {k: v.to(device) for k, v in collate(rows, policy.pad_id).items()}
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        picked = losses.token_logprobs(logits, batch["input_ids"])  # column j scores token j + 1
+        return [float(x) for x in (picked * batch["action_mask"][:, 1:]).sum(dim=1)]
+    head = torch.tensor([prompt[:-1]], device=device)
+    cache = model(input_ids=head, use_cache=True).past_key_values
+    cache.batch_repeat_interleave(len(conts))
+    # each row: the prompt's last token (its logits score the continuation's first token), then the continuation
+    rows = [StepSample([prompt[-1], *c], [(1, 1 + len(c))], 0, [1]) for c in conts]
     batch = {k: v.to(device) for k, v in collate(rows, policy.pad_id).items()}
-    logits = policy.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    picked = losses.token_logprobs(logits, batch["input_ids"])  # column j scores token j + 1
+    width = batch["input_ids"].shape[1]
+    mask = torch.cat([torch.ones((len(conts), len(prompt) - 1), dtype=batch["attention_mask"].dtype, device=device),
+                      batch["attention_mask"]], dim=1)
+    positions = torch.arange(len(prompt) - 1, len(prompt) - 1 + width, device=device).expand(len(conts), width)
+    # transformers renamed the forward's past_key_values to cache (5.2x); pass whichever this model's forward takes
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    logits = model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=positions, use_cache=True,
+                   **{key: cache}).logits
+    picked = losses.token_logprobs(logits, batch["input_ids"])  # column j scores row token j + 1
     return [float(x) for x in (picked * batch["action_mask"][:, 1:]).sum(dim=1)]
 
 
