@@ -201,7 +201,8 @@ class OptimConfig:
     padding_free: bool = _help(
         "pack each micro-batch's samples end to end into rows as wide as its longest sample (one row under "
         "flash-attention), with position ids restarting per sample and no attention mask (a block-diagonal causal "
-        "mask; flash-attention varlen on a GPU): no compute on padding, the same token-mean losses. Applies to every policy update (BC and the "
+        "mask; flash-attention varlen on a GPU): the same token-mean losses, less padding (under sdpa only samples "
+        "at most half the longest can share a row; meant for flash-attention). Applies to every policy update (BC and the "
         "SFTs, RSD's distillation, Q-Evolve's and GRPO's updates); needs token-mean loss aggregation", False)
 
     def validate(self) -> None:
