@@ -230,12 +230,20 @@ def clipped_ratio_objective(
     return loss, stats
 
 
-def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
-    """Per-token k3 estimate of KL(π‖π_ref): exp(ref − logp) − (ref − logp) − 1 (reference detached)."""
-    # [O §1.3, standard in GRPO code]; expm1 keeps it ≥ 0 for tiny differences, the final clamp_min only guards
-    # rounding; the log-ratio clamp avoids overflow.
+K3_MAX = 10.0  # per-token cap of the k3 value, as verl's low_var_kl, OpenRLHF and SkyRL clamp it
+
+
+def kl_k3(logp: Tensor, ref_logp: Tensor, max_value: float | None = K3_MAX) -> Tensor:
+    """Per-token k3 estimate of KL(π‖π_ref): exp(ref − logp) − (ref − logp) − 1 (reference detached), capped at
+    max_value (None: uncapped)."""
+    # [O §1.3, standard in GRPO code]; expm1 keeps it ≥ 0 for tiny differences, the clamp_min only guards
+    # rounding; the log-ratio clamp avoids overflow. The cap: one token the policy has pushed ~10 nats below the
+    # reference would otherwise be worth e^10 / N of the whole batch's KL, and its gradient, −(e^Δ − 1), would
+    # outweigh every other token's (a KL of 163 per token and a gradient norm of 341 in one Self-Guide update on
+    # SmolLM2, docs/methods/selfguide.md); a capped token contributes 10 and no gradient.
     lr = (ref_logp.detach() - logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    return (torch.expm1(lr) - lr).clamp_min(0.0)
+    k3 = (torch.expm1(lr) - lr).clamp_min(0.0)
+    return k3 if max_value is None else k3.clamp_max(max_value)
 
 
 def dpo_loss(

@@ -246,6 +246,31 @@ def test_padding_free_update_gives_the_padded_update(tiny_policy) -> None:  # no
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(w_pad, w_free, strict=True))
 
 
+def test_update_forward_runs_in_the_reference_precision(tiny_policy, monkeypatch) -> None:  # noqa: ANN001
+    """Every loss forward of the GRPO update runs under placement.autocast(), as the reference and behaviour
+    log-probs it is compared with were scored (bf16 where model.dtype auto finds bf16 hardware)."""
+    import contextlib
+
+    from agentevo.algorithms.grpo import recipe as grpo_recipe
+
+    entered = []
+
+    @contextlib.contextmanager
+    def recorder():  # noqa: ANN202
+        entered.append(1)
+        yield
+
+    policy = copy.deepcopy(tiny_policy)
+    cfg = GRPOConfig(lr=1e-3, batch_size=2, micro_batch_size=1)
+    samples = [s for k, a in enumerate(["take knife", "open fridge"])
+               for s in outcome_samples(policy.renderer, _traj(policy, [a], 1.0), k, 1.0, cfg, 20, 4096)]
+    add_ref_logprobs(policy.model, samples, policy.pad_id, 2)
+    trainer = PolicyTrainer(policy, RunConfig(), cfg)
+    monkeypatch.setattr(grpo_recipe.placement, "autocast", recorder)
+    trainer.update(samples, grpo_loss(cfg), seed=0)
+    assert len(entered) == 2  # one optimiser batch of two micro-batches
+
+
 def test_trainer_checkpoint_round_trip(tiny_policy, tmp_path) -> None:  # noqa: ANN001
     policy = copy.deepcopy(tiny_policy)
     cfg = GRPOConfig(lr=1e-3, batch_size=1, micro_batch_size=1)

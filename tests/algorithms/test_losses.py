@@ -304,6 +304,13 @@ def test_kl_k3() -> None:
     kl_k3(p, r).sum().backward()
     assert r.grad is None
     assert_close(p.grad, torch.zeros(3))  # minimum at equality
+    # the cap: a token 12 nats below the reference is worth 10, not e^12 - 13 (162,742), and pulls no gradient
+    far = torch.tensor([-12.0, -1.0], requires_grad=True)
+    k3 = kl_k3(far, torch.zeros(2))
+    assert k3.tolist() == pytest.approx([10.0, math.e - 2.0])
+    assert kl_k3(far, torch.zeros(2), max_value=None)[0].item() == pytest.approx(math.exp(12.0) - 13.0)
+    k3.sum().backward()
+    assert far.grad.tolist() == pytest.approx([0.0, -(math.e - 1.0)])
 
 
 # ------------------------------------------------------------------------------------------------ distillation KL

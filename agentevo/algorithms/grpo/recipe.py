@@ -54,6 +54,7 @@ from agentevo.envs.base import Task
 from agentevo.errors import AgentevoError, ConfigError
 from agentevo.eval import diagnostics
 from agentevo.eval.metrics import summarize
+from agentevo.models import placement
 from agentevo.models.backend import (
     DamagedCheckpointError,
     Sampling,
@@ -280,7 +281,10 @@ class PolicyTrainer:
                     batch = {k: v.to(device) for k, v in self.collate([samples[i] for i in ids], self.policy.pad_id).items()}
                     sync = self.accelerator is None or n == len(local) - 1
                     with contextlib.nullcontext() if sync else self.accelerator.no_sync(model):
-                        loss, stats = loss_fn(model, batch)
+                        # the precision the reference and behaviour log-probs were scored in (model.dtype auto:
+                        # bf16 autocast on bf16 hardware), as train() does for every other policy update
+                        with placement.autocast():
+                            loss, stats = loss_fn(model, batch)
                         # Micro-batches of a short last batch weigh by their share of its rows.
                         (loss * (scale * len(ids) / len(batch_ids))).backward()
                     counted = 1.0 if scale else 0.0  # a stand-in micro-batch adds nothing to the record
