@@ -60,3 +60,14 @@ for r in 1 2 3; do .venv/bin/python $S/teacher_top1.py runs/real/rsd-smol-ctxws-
 mkdir -p runs/cmp-real && for s in 0 1 2; do ln -sfn ../real/rsd-smol-fixed$([ $s = 0 ] || echo -s$s) runs/cmp-real/rsd-fixed-s$s; done
 .venv/bin/agentevo compare runs/cmp-real/rsd-fixed-s0 runs/cmp-real/rsd-fixed-s1 runs/cmp-real/rsd-fixed-s2 \
   --baseline-point ctx-bc --split test --out docs/studies/real_model_probes
+
+# Self-Guide vs GRPO on a guide probe with headroom: 6 lights, reward only at the end of an all-right episode
+# (env.params.n_lights=6, reward=success); unguided BC is at 56% here. Each run 25-50 minutes on 2 CPU cores.
+sg6() {  # NAME SEED [extra --set ...]
+  local name=$1 seed=$2; shift 2
+  sg $name $seed self --set env.params.n_lights=6 --set env.params.reward=success "$@"
+}
+sg6 sg6-self-s0 0
+sg6 sg6-none-s0 0 --set selfguide.guide=none
+# not run yet (did not fit the session): sg6 sg6-self-s1 1; sg6 sg6-none-s1 1 --set selfguide.guide=none
+.venv/bin/python $S/verdict_check.py runs/real/sg6-self-s0
