@@ -171,10 +171,11 @@ def pack_batch(batch: dict[str, Any], pad_id: int, one_row: bool = False) -> dic
     padded batch and a dense masked attention (sdpa, eager) costs no more; with `one_row` all of them go into one
     row, which is what flash-attention's variable-length kernel wants (its cost is per sample, not per row).
     `position_ids` restart at 0 with every sample and the attention mask is dropped, so transformers builds a
-    block-diagonal causal mask from them (flash-attention: cumulative lengths) and no token sees another sample. Each row's free tail is filled with pad tokens whose positions also restart
-    at 0: a segment of its own that no sample attends to and no loss counts. Every other [n, width] tensor moves with
-    its tokens (padding: step_id -1, the rest 0); per-token sums and token means are unchanged, per-row reductions
-    are not (the callers refuse per-sequence loss aggregation with padding_free).
+    block-diagonal causal mask from them (flash-attention: cumulative lengths) and no token sees another sample.
+    Each row's free tail is filled with pad tokens whose positions also restart at 0: a segment of its own that no
+    sample attends to and no loss counts. Every other [n, width] tensor moves with its tokens (padding: step_id -1,
+    the rest 0); per-token sums and token means are unchanged, per-row reductions are not (the callers refuse
+    per-sequence loss aggregation with padding_free).
     """
     attention = batch["attention_mask"]
     lengths = [int(n) for n in attention.sum(dim=1).tolist()]
@@ -215,6 +216,12 @@ def padding_free_collate(model: Any) -> Callable[[list[StepSample], int], dict[s
     if "flash" in str(getattr(config, "_attn_implementation", "") or ""):
         return lambda samples, pad_id: collate_padding_free(samples, pad_id, one_row=True)
     return collate_padding_free
+
+
+def packing_collate(model: Any) -> Callable[[list[StepSample], int], dict[str, Any]]:
+    """What a padding-free phase collates with: verify_packing on this model, then padding_free_collate."""
+    verify_packing(model, int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0))
+    return padding_free_collate(model)
 
 
 def forward_logits(model: Any, batch: dict[str, Any]) -> torch.Tensor:

@@ -69,12 +69,17 @@ def auc_same_step(scores: Sequence[float], steps: Sequence[int], positive: Seque
     """ROC AUC that compares a positive and a negative only when they share a step index (pairs pooled over steps);
     None without such a pair. A state value V(s_t) scored this way cannot gain from t alone: failed episodes run
     longer, so a V that just falls with t gets a plain AUC above 0.5 and exactly 0.5 here."""
-    by_step: dict[int, tuple[list[float], list[float]]] = {}
+    by_step: dict[int, tuple[list[float], list[bool]]] = {}
     for s, t, p in zip(scores, steps, positive, strict=True):
-        by_step.setdefault(t, ([], []))[0 if p else 1].append(s)
+        group = by_step.setdefault(t, ([], []))
+        group[0].append(s)
+        group[1].append(p)
     wins = pairs = 0.0
-    for pos, neg in by_step.values():
-        wins += sum((a > b) + 0.5 * (a == b) for a in pos for b in neg)
-        pairs += len(pos) * len(neg)
+    for xs, ys in by_step.values():
+        step_auc = auc(xs, ys)  # None unless this step has both outcomes
+        if step_auc is not None:
+            n = sum(ys) * (len(ys) - sum(ys))
+            wins += step_auc * n
+            pairs += n
     return wins / pairs if pairs else None
 

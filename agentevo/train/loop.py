@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from agentevo.config import OptimConfig
-from agentevo.data.tensors import StepSample, collate, padding_free_collate, verify_packing
+from agentevo.data.tensors import StepSample, collate, packing_collate
 from agentevo.errors import AgentevoError, ConfigError
 from agentevo.models import placement
 from agentevo.models.backend import DamagedCheckpointError, verify_manifest, write_manifest
@@ -252,8 +252,7 @@ def train(
     accelerator = Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=accum // world),
                               cpu=cpu, **kwargs)
     if cfg.padding_free and collate_fn is collate:  # custom row types (DPO pairs, Q-net rows) stay padded
-        verify_packing(model, int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0))
-        collate_fn = padding_free_collate(model)
+        collate_fn = packing_collate(model)
     plan = plan_micro_batches(len(samples), cfg, seed)
     total_steps = len(plan) // accum
     warmup = int(cfg.warmup_ratio * total_steps)

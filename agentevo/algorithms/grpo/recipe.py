@@ -45,9 +45,8 @@ from agentevo.data.tensors import (
     StepSample,
     collate,
     forward_logits,
-    padding_free_collate,
+    packing_collate,
     trajectory_samples,
-    verify_packing,
 )
 from agentevo.data.types import Step, Trajectory
 from agentevo.envs.base import Task
@@ -223,9 +222,7 @@ class PolicyTrainer:
         self.policy, self.cfg = policy, cfg
         self.lora = run_cfg.model.lora.enabled
         self.model = with_lora(policy, run_cfg)
-        self.collate = padding_free_collate(policy.model) if run_cfg.optim.padding_free else collate
-        if run_cfg.optim.padding_free:
-            verify_packing(self.model, int(policy.model.config.vocab_size))
+        self.collate = packing_collate(self.model) if run_cfg.optim.padding_free else collate
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.params = params
         # Constant lr, one optimiser for the whole run: RL updates are a stream, not separate fine-tunings [O].
