@@ -152,6 +152,34 @@ def test_guide_probe_lights_and_success_reward() -> None:
         make_env("probe-guide", n_lights=4, max_steps=3)
 
 
+def test_guide_probe_noise_at_random_spreads_the_demo_errors() -> None:
+    """noise_at=second errs at light 2 in every noisy demo; noise_at=random errs at one hashed light per task, over
+    the whole row, and the same light every time the demo is built. Clean demos are unchanged by either."""
+    from agentevo.envs import make_env
+    from agentevo.errors import ConfigError
+
+    def wrong_lights(env) -> list[int]:  # noqa: ANN001
+        out = []
+        for task in env.tasks("train"):
+            demo = [a.removeprefix("press ") for a in env.expert(task)]
+            bad = [i for i, (c, want) in enumerate(zip(demo, task.params["lights"], strict=True)) if c != want]
+            assert len(bad) == env.noisy(task)  # one wrong press in a noisy demo, none in a clean one
+            out += bad
+        return out
+
+    kw = {"n_lights": 6, "reward": "success", "expert_noise": 0.75, "n_train": 64}
+    second = make_env("probe-guide", **kw)
+    assert set(wrong_lights(second)) == {1} and len(wrong_lights(second)) == 49  # 64 x 0.75 = 48, golden-ratio rounding
+    spread = make_env("probe-guide", noise_at="random", **kw)
+    where = wrong_lights(spread)
+    assert len(where) == 49 and set(where) == set(range(6))  # errors at every light
+    assert max(where.count(i) for i in range(6)) == 11  # counts 9 8 7 6 11 8
+    assert where == wrong_lights(make_env("probe-guide", noise_at="random", **kw))  # fixed across builds
+    assert [spread.error_light(t) for t in spread.tasks("train")] != [1] * 64
+    with pytest.raises(ConfigError, match="noise_at must be one of second, random"):
+        make_env("probe-guide", noise_at="first")
+
+
 # -- BC: the copy probe (the policy must read its observation) ------------------------------------------------------
 
 

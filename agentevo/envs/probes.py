@@ -361,6 +361,7 @@ class HindsightProbe(_Probe):
 
 GUIDE_LIGHTS = 3
 GUIDE_REWARDS = ("score", "success")
+GUIDE_NOISE_AT = ("second", "random")
 
 
 class GuideProbe(_Probe):
@@ -371,7 +372,11 @@ class GuideProbe(_Probe):
     reward 'score' (default): the score is the fraction of right presses so far and each right press pays
     1 / n_lights. reward 'success': score and reward stay 0 until the last light and are 1 only if every press was
     right, so the outcome says nothing about which press was wrong and only a step-level signal (Self-Guide's
-    verdicts) can tell the steps apart."""
+    verdicts) can tell the steps apart.
+
+    noise_at: where a noisy expert demo presses the wrong colour. 'second' (default) always errs at light 2, so a
+    policy imitating the demos errs there too and a failed outcome still points at that light; 'random' errs at a
+    fixed, hashed light per task (uniform over the row), so a failure does not say which press was wrong."""
 
     name = "probe-guide"
     task_type = "guide"
@@ -381,15 +386,18 @@ class GuideProbe(_Probe):
 
     def __init__(self, max_steps: int | None = None, expert_noise: float = 0.0, n_train: int | None = None,
                  n_dev: int | None = None, n_test: int | None = None, n_lights: int = GUIDE_LIGHTS,
-                 reward: str = "score") -> None:
+                 reward: str = "score", noise_at: str = "second") -> None:
         if not 2 <= n_lights <= 12:
             raise ConfigError(f"{self.name}: n_lights must be in [2, 12] (got {n_lights})")
         if reward not in GUIDE_REWARDS:
             raise ConfigError(f"{self.name}: reward must be one of {', '.join(GUIDE_REWARDS)} (got {reward!r})")
+        if noise_at not in GUIDE_NOISE_AT:
+            raise ConfigError(f"{self.name}: noise_at must be one of {', '.join(GUIDE_NOISE_AT)} (got {noise_at!r})")
         self.default_max_steps = n_lights  # the instance's floor for max_steps and its default
         super().__init__(max_steps, expert_noise, n_train, n_dev, n_test)
         self.n_lights = n_lights
         self.reward = reward
+        self.noise_at = noise_at
 
     def task_params(self, split: str, k: int) -> dict[str, Any]:
         return {"lights": [_pick(COLOURS, "light", k, i) for i in range(self.n_lights)]}
@@ -432,9 +440,16 @@ class GuideProbe(_Probe):
             return f"{verdict} {end}", score - before, True, self._info(score, won)
         return f"{verdict} {self._light(i + 1)}", score - before, False, self._info(score, False)
 
+    def error_light(self, task: Task) -> int:
+        """The light (0-based) at which this task's noisy demo presses the wrong colour (see noise_at)."""
+        if self.noise_at == "second":
+            return 1
+        return int(_unit("error-light", task.task_id) * self.n_lights)
+
     def expert(self, task: Task) -> list[str]:
-        """Press each light's colour (a noisy demo presses the wrong colour at the second light)."""
+        """Press each light's colour (a noisy demo presses the wrong colour at error_light(task))."""
         lights = list(task.params["lights"])
         if self.noisy(task):
-            lights[1] = COLOURS[(COLOURS.index(lights[1]) + 1) % len(COLOURS)]
+            i = self.error_light(task)
+            lights[i] = COLOURS[(COLOURS.index(lights[i]) + 1) % len(COLOURS)]
         return [f"press {c}" for c in lights]
