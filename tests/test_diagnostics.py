@@ -233,6 +233,27 @@ def test_progress_agreement_of_the_advantages() -> None:
     assert progress_agreement(q, trajs[1:2], labels[1:2], values[1:2], [[0.0, 0.0]]) == {}  # no progress at all
 
 
+def test_update_follow_by_hand() -> None:
+    """Four steps: A = [+1, +0.5, -1, 0 (left out of the AUC)], deltas [0.2, -0.1, 0.3, 9]; flagged: the third.
+    Positives {0.2, -0.1} against the negative {0.3}: no win -> AUC 0; the flagged step rose by 0.3 although its
+    advantage is -1, so that row fails and names the aliasing fix."""
+    from agentevo.algorithms.qevolve.recipe import span_sums
+
+    got = dg.update_follow([0.2, -0.1, 0.3, 9.0], [1.0, 0.5, -1.0, 0.0], [False, False, True, False])
+    assert got["follow_auc"] == 0.0 and got["dlogp_pos"] == pytest.approx(0.05) and got["dlogp_neg"] == 0.3
+    assert got["dlogp_flagged"] == 0.3 and got["dlogp_flagged_adv"] == -1.0 and got["dlogp_flagged_n"] == 1
+    follow, flagged = dg.update_follow_rows(got)
+    assert follow.verdict == "fail" and follow.value == "0 (mean change 0.05 where A > 0, 0.3 where A < 0)"
+    assert flagged.verdict == "fail" and flagged.value == "0.3 over 1 steps (their mean advantage -1)"
+    assert "although their mean advantage is negative" in flagged.fix
+    good = dg.update_follow([0.2, -0.4], [1.0, -1.0], [False, True])
+    assert good["follow_auc"] == 1.0 and [r.verdict for r in dg.update_follow_rows(good)] == ["pass", "pass"]
+    assert dg.update_follow([], [], [])["dlogp_flagged"] is None and dg.update_follow_rows({}) == []
+    assert span_sums([(3, 5), (9, 10)], [0.5, 0.25, -1.0]) == [0.75, -1.0]
+    with pytest.raises(ValueError, match="spans cover 3 tokens but the row has 4"):
+        span_sums([(3, 5), (9, 10)], [0.5, 0.25, -1.0, 2.0])
+
+
 def test_fit_budget_counts_optimiser_steps_or_legacy_epochs() -> None:
     assert CriticFit(batch_size=4, steps=30).total_steps(10) == 30
     assert CriticFit(batch_size=4, epochs=2).total_steps(10) == 6  # ceil(10/4) per pass

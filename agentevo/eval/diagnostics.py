@@ -218,6 +218,33 @@ def critic_fit(v: dict[str, Any]) -> list[Diagnostic]:
         if passing and rows[-1].fix:
             rows[-1] = dataclasses.replace(rows[-1], fix=rows[-1].fix + "; from this round's critic values, "
                                            + ", ".join(passing) + " (qevolve.pr / qevolve.lam)")
+    rows += update_follow_rows(v)
+    return rows
+
+
+def update_follow_rows(v: dict[str, Any]) -> list[Diagnostic]:
+    """Q-Evolve's policy step: did log pi of the training actions move with their advantages (update_follow)?"""
+    rows = []
+    if v.get("follow_auc") is not None:
+        rows.append(_row("AUC of the update's change in log pi(a_t|s_t) for A_t > 0 over A_t < 0 (training steps)",
+                         v["follow_auc"], grade(v["follow_auc"], 0.7, 0.6),
+                         "the update barely moves the actions the way their advantages ask: raise qevolve.policy_lr "
+                         "or qevolve.policy_epochs if the changes are tiny; if they are not, the policy cannot tell "
+                         "the states apart where the same action is credited and penalised",
+                         f"{_fmt(v['follow_auc'])} (mean change {_fmt(v.get('dlogp_pos'))} where A > 0, "
+                         f"{_fmt(v.get('dlogp_neg'))} where A < 0)"))
+    if v.get("dlogp_flagged") is not None:
+        asked = v.get("dlogp_flagged_adv")
+        rows.append(_row("change in log pi of the rule-flagged actions (invalid / format / repeat) after the update",
+                         v["dlogp_flagged"], grade(v["dlogp_flagged"], 0.0, 0.05, higher_is_better=False),
+                         "the update made actions the rules call mistakes more likely"
+                         + (" although their mean advantage is negative: the same action credited in states the "
+                            "policy does not tell apart from these (an object that is there in some games and not in "
+                            "others) outweighs it; give the policy more context (agent.history_window) or capacity, "
+                            "and read the held-out invalid-action rate" if asked is not None and asked < 0 else
+                            ": their advantage is not negative (see the flagged-step row)"),
+                         f"{_fmt(v['dlogp_flagged'])} over {_fmt(v.get('dlogp_flagged_n'))} steps "
+                         f"(their mean advantage {_fmt(asked)})"))
     return rows
 
 
@@ -227,6 +254,26 @@ def flagged_advantage(advantages: Sequence[float], flagged: Sequence[bool]) -> d
     off = [a for a, f in zip(advantages, flagged, strict=True) if not f]
     return {"flagged_adv": sum(on) / len(on) if on else None, "unflagged_adv": sum(off) / len(off) if off else None,
             "flagged_n": len(on)}
+
+
+def update_follow(deltas: Sequence[float], advantages: Sequence[float], flagged: Sequence[bool]) -> dict[str, Any]:
+    """Did the policy update move each training step's action the way its advantage asked? deltas[i] is
+    log pi_new(a_i|s_i) - log pi_old(a_i|s_i) summed over the reply's tokens. Returns the AUC of the deltas for
+    A > 0 over A < 0 ('follow_auc'; 0.5 = no relation), the mean delta of positive / negative / rule-flagged steps,
+    and the flagged steps' mean advantage (so a flagged delta can be read against what was asked)."""
+    def mean(xs: list[float]) -> float | None:
+        return sum(xs) / len(xs) if xs else None
+
+    signed = [(d, a > 0) for d, a in zip(deltas, advantages, strict=True) if a != 0]
+    on = [i for i, f in enumerate(flagged) if f]
+    return {
+        "follow_auc": auc([d for d, _ in signed], [p for _, p in signed]),
+        "dlogp_pos": mean([d for d, p in signed if p]),
+        "dlogp_neg": mean([d for d, p in signed if not p]),
+        "dlogp_flagged": mean([deltas[i] for i in on]),
+        "dlogp_flagged_adv": mean([advantages[i] for i in on]),
+        "dlogp_flagged_n": len(on),
+    }
 
 
 def flagged_gap(d: dict[str, Any]) -> float | None:

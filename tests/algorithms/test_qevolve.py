@@ -363,6 +363,10 @@ def test_one_round_end_to_end_and_resume(tmp_path, extra: list[str]) -> None:  #
         assert not (tmp_path / "qe" / "checkpoints" / "round-1").exists()
     else:
         assert "round-1/policy/train" in phases and (tmp_path / "qe" / "checkpoints" / "round-1").exists()
+        # step 5's premise record: how log pi moved per training step, over every step of D
+        (follow,) = [r for r in records if r["phase"] == "diag/qevolve" and "follow_auc" in r]
+        assert follow["step"] == 1 and follow["dlogp_flagged_n"] == n_flagged
+        assert results["round-1/policy"]["diag"]["dlogp_flagged_n"] == n_flagged
     # resume: every phase is read back, nothing is recomputed
     n_lines = len((tmp_path / "qe" / "metrics.jsonl").read_text().splitlines())
     run = Run.open(tmp_path / "qe", quiet=True)

@@ -697,8 +697,30 @@ def improve_policy(run: Run, r: int, data: Dataset) -> dict[str, Any]:
     # With LoRA the round's policy is the adapter on pi_BC's frozen base: saved as an adapter, not merged.
     stats = finetune(run, policy, samples, policy_loss(q), f"round-{r}", optim=optim, seed=cfg.seed + r,
                      log_phase=f"round-{r}/policy/train", model=policy.model.train(), merge_lora=False)
+    # Did the update follow the advantages? log pi_r - log pi_{r-1} of every training action (one forward pass).
+    new = span_logprobs(policy.model, samples, policy.pad_id, micro)
+    deltas, adv, flagged = [], [], []
+    for s, o, n in zip(samples, old, new, strict=True):
+        for t, a, d in zip(s.steps, s.labels["adv"], span_sums(s.spans, [y - x for x, y in zip(o, n, strict=True)]),
+                           strict=True):
+            deltas.append(d)
+            adv.append(a)
+            flagged.append(data.trajs[s.traj_index].steps[t - 1].signal != SIGNAL_NONE)
+    follow = diagnostics.update_follow(deltas, adv, flagged)
+    run.logger.log("diag/qevolve", r, follow)  # merged with the critic's and the advantages' records of the round
     return {**stats, "samples": len(samples),
-            "old_vs_behaviour_abs_diff": sum(diffs) / len(diffs) if diffs else 0.0}
+            "old_vs_behaviour_abs_diff": sum(diffs) / len(diffs) if diffs else 0.0, "diag": follow}
+
+
+def span_sums(spans: list[tuple[int, int]], per_token: list[float]) -> list[float]:
+    """Sum of a concatenated per-reply-token list within each span (the layout of span_logprobs' rows)."""
+    out, at = [], 0
+    for a, b in spans:
+        out.append(sum(per_token[at : at + b - a]))
+        at += b - a
+    if at != len(per_token):
+        raise ValueError(f"spans cover {at} tokens but the row has {len(per_token)}")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
