@@ -71,3 +71,17 @@ sg6 sg6-self-s0 0
 sg6 sg6-none-s0 0 --set selfguide.guide=none
 # not run yet (did not fit the session): sg6 sg6-self-s1 1; sg6 sg6-none-s1 1 --set selfguide.guide=none
 .venv/bin/python $S/verdict_check.py runs/real/sg6-self-s0
+
+# The same 6-light success-only probe with the demos' error at a random light per task (env.params.noise_at=random,
+# expert_noise=1.0: every demo errs once), so the outcome cannot locate it. The internal reward from update 1
+# (selfguide.schedule=constant; the staged schedule gave it weight only from update 3, by which point sg6 had
+# converged); its ablation lambda=0 (schedule=none) starts from the same guided-BC checkpoint, so update 1's rollouts
+# are the same episodes; GRPO without guides has its own (unguided) BC start.
+sg6r() {  # NAME SEED [extra --set ...]
+  local name=$1 seed=$2; shift 2
+  sg6 $name $seed --set env.params.noise_at=random --set env.params.expert_noise=1.0 "$@"
+}
+sg6r sg6r-const-s0 0 --set selfguide.schedule=constant
+sg6r sg6r-lam0-s0 0 --set selfguide.schedule=none --set bc.warm_start_from=runs/real/sg6r-const-s0
+sg6r sg6r-none-s0 0 --set selfguide.guide=none
+.venv/bin/python $S/light_errors.py runs/real/sg6r-const-s0 runs/real/sg6r-lam0-s0 runs/real/sg6r-none-s0
