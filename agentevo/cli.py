@@ -296,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start over in an existing run folder of that --name (its contents are deleted)")
     p.set_defaults(fn=cmd_train)
 
-    p = sub.add_parser("eval", help="evaluate a checkpoint on fixed splits (greedy)")
+    p = sub.add_parser("eval", help="evaluate a checkpoint on fixed splits (greedy, or eval.temperature / eval.samples)")
     p.add_argument("--model", required=True, help="checkpoint folder")
     p.add_argument("--env", help="environment name")
     p.add_argument("--split", help="split to evaluate (train/dev/test)")

@@ -170,7 +170,7 @@ class RolloutConfig:
     prefix_cache_gb: float = _help("memory bound of those keys/values (GiB)", 4.0, gt=0)
     workers: str = _help("environment workers: 'thread', 'process' or 'ray' (Ray actors; RAY_ADDRESS names the "
                          "cluster, else a local Ray is started)", "thread")
-    temperature: float = _help("sampling temperature for collection (evaluation is greedy)", 0.7, ge=0)
+    temperature: float = _help("sampling temperature for collection (evaluation: eval.temperature)", 0.7, ge=0)
     top_p: float = _help("nucleus sampling for collection", 1.0, gt=0, le=1)
     max_retries: int = _help("retries of an episode whose environment crashed or hung (past them it is stored as an errored episode)", 3, ge=0)
     step_timeout_s: float | None = _help("seconds one env reset/step may take before the env counts as hung: it is "
@@ -217,12 +217,29 @@ class OptimConfig:
 
 @dataclass
 class EvalConfig:
-    """The evaluation protocol: greedy decoding on fixed splits."""
+    """The evaluation protocol: fixed splits, greedy decoding unless eval.temperature > 0."""
 
     splits: list[str] = _help("splits to evaluate on", factory=lambda: ["test"])
     n_tasks: int | None = _help("tasks per split (first n of the fixed list; null = env.n_<split>)", None, ge=1)
+    temperature: float = _help("decoding temperature: 0 = greedy (the default and the papers' protocol); > 0 samples "
+                               "with eval.seed, which shows a policy's spread where greedy decoding sits at a ceiling",
+                               0.0, ge=0)
+    top_p: float = _help("nucleus mass of sampled evaluation", 1.0, gt=0, le=1)
+    samples: int = _help("episodes per task (> 1 needs eval.temperature > 0); rates average over all of them and "
+                         "`compare` averages each task's episodes before pairing", 1, ge=1)
+    seed: int = _help("sampling seed of every evaluation point when eval.temperature > 0", 0, ge=0)
+
+    @property
+    def protocol(self) -> str:
+        """'greedy', or e.g. 'T=1, 4 samples per task' (plot titles, reports)."""
+        if self.temperature <= 0:
+            return "greedy"
+        return f"T={self.temperature:g}" + (f", {self.samples} samples per task" if self.samples > 1 else "")
 
     def validate(self) -> None:
+        if self.samples > 1 and self.temperature <= 0:
+            raise ConfigError(f"eval.samples is {self.samples} but eval.temperature is 0: greedy episodes of one task "
+                              "are identical; set eval.temperature > 0 (e.g. 1.0) or eval.samples: 1")
         if not self.splits:
             raise ConfigError("eval.splits must name at least one of train, dev, test (got [])")
         for split in self.splits:

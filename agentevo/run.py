@@ -450,22 +450,35 @@ class Run:
                     run_episodes(actor, pool, todo, self.signal_env, store, bar.advance, self.cfg.rollout.max_retries)
         return self.store.load(collection=collection)
 
+    def eval_sampling(self, max_new_tokens: int | None = None) -> Sampling:
+        """Decoding of every evaluation: greedy, or eval.temperature / top_p with eval.seed."""
+        e = self.cfg.eval
+        n = self.cfg.agent.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if e.temperature <= 0:
+            return Sampling(temperature=0.0, max_new_tokens=n)
+        return Sampling(e.temperature, e.top_p, n, seed=e.seed)
+
     def evaluate(self, policy: TransformersPolicy, label: str, splits: list[str] | None = None,
                  prefix_fn: Callable[[Any], str] | None = None) -> dict[str, dict[str, Any]]:
-        """Greedy evaluation on the fixed splits; metrics per split (stored as collection eval/LABEL/SPLIT)."""
-        actor = self.actor(policy, Sampling(temperature=0.0, max_new_tokens=self.cfg.agent.max_new_tokens))
+        """Evaluation on the fixed splits (eval.*: greedy by default); metrics per split (collection
+        eval/LABEL/SPLIT)."""
+        actor = self.actor(policy, self.eval_sampling())
         return self.evaluate_actor(actor, label, splits, prefix_fn=prefix_fn)
 
     def evaluate_actor(self, actor: Any, label: str, splits: list[str] | None = None, pool: Any = None,
                        prefix_fn: Callable[[Any], str] | None = None,
                        extra: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
-        """Evaluate any actor on the fixed splits (eval/LABEL/SPLIT); `extra` is added to each split's metrics."""
+        """Evaluate any actor on the fixed splits (eval/LABEL/SPLIT); `extra` is added to each split's metrics.
+        With eval.samples k > 1 each task is played k times (slots j * n_tasks + task index)."""
         out = {}
-        for split in splits or self.cfg.eval.splits:
-            tasks = self.tasks(split, self.cfg.eval.n_tasks)
-            requests = [EpisodeRequest(t, k, prefix=prefix_fn(t) if prefix_fn else "") for k, t in enumerate(tasks)]
+        e = self.cfg.eval
+        for split in splits or e.splits:
+            tasks = self.tasks(split, e.n_tasks)
+            requests = [EpisodeRequest(t, j * len(tasks) + k, prefix=prefix_fn(t) if prefix_fn else "")
+                        for j in range(e.samples) for k, t in enumerate(tasks)]
             trajs = self.collect(actor, requests, eval_collection(label, split), f"eval {label} on {split}", pool=pool)
-            metrics = {**summarize(trajs), "task_hash": tasks.hash, "split": split, **(extra or {})}
+            sampled = {"temperature": e.temperature, "samples_per_task": e.samples} if e.temperature > 0 else {}
+            metrics = {**summarize(trajs), "task_hash": tasks.hash, "split": split, **sampled, **(extra or {})}
             self.logger.drop_after(eval_collection(label, split), -1)  # logged before a kill, not yet in state.json
             self.logger.log(eval_collection(label, split), 0, {k: v for k, v in metrics.items() if k != "split"})
             self.logger.log_samples(eval_collection(label, split), 0, trajs)  # the first tracking.samples episodes

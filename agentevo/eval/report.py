@@ -22,7 +22,7 @@ def _eval_rows(state: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
     return rows
 
 
-def _plot_success(rows: list[tuple[str, str, dict[str, Any]]], path: Path) -> None:
+def _plot_success(rows: list[tuple[str, str, dict[str, Any]]], path: Path, protocol: str = "greedy") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -36,7 +36,7 @@ def _plot_success(rows: list[tuple[str, str, dict[str, Any]]], path: Path) -> No
         ax.text(x, v + 1, f"{v:.1f}", ha="center", fontsize=8)
     ax.set_ylabel("success rate (%)")
     ax.set_ylim(0, 105)
-    ax.set_title("held-out success (greedy)")
+    ax.set_title(f"held-out success ({protocol})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -113,19 +113,19 @@ def write_report(run: Run) -> Path:
         f"- seed: {cfg.seed}; torch threads: {run.threads}",
         f"- reproduce: `agentevo train {cfg.method} --config {run.dir / 'config.yaml'}`",
         "",
-        "## Held-out evaluation (greedy)",
+        f"## Held-out evaluation ({cfg.eval.protocol})",
         "",
         "| policy | split | tasks | success | avg reward | mean steps | format err | invalid | repeat | task hash |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for policy, split, m in rows:
         lines.append(
-            f"| {policy} | {split} | {m['n']} | {100 * m['success_rate']:.1f}% | {m['avg_reward']:.3f} | "
+            f"| {policy} | {split} | {m['n'] // m.get('samples_per_task', 1)} | {100 * m['success_rate']:.1f}% | {m['avg_reward']:.3f} | "
             f"{m['mean_steps']:.1f} | {100 * m['format_error_rate']:.1f}% | {100 * m['invalid_rate']:.1f}% | "
             f"{100 * m['repeat_rate']:.1f}% | `{m.get('task_hash', '')}` |"
         )
     if rows:
-        _plot_success(rows, plots / "success.png")
+        _plot_success(rows, plots / "success.png", cfg.eval.protocol)
         lines += ["", "![success](plots/success.png)"]
     lines += _task_type_lines(run.store, rows)
     phases = _plot_training(run.logger.records(), plots / "training.png")

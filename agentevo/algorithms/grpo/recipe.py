@@ -396,7 +396,7 @@ def rollout_stats(trajs: Sequence[Trajectory]) -> dict[str, float]:
 
 def evaluate_with(run: Run, actor: Any, label: str, pool: Any, extra: dict[str, Any] | None = None
                   ) -> dict[str, dict[str, Any]]:
-    """Greedy evaluation like Run.evaluate, with a given actor and env pool; `extra` is added to each split."""
+    """Evaluation like Run.evaluate, with a given actor and env pool; `extra` is added to each split."""
     return run.evaluate_actor(actor, label, pool=pool, extra=extra)
 
 
@@ -417,7 +417,7 @@ def plot_success_vs_env_steps(run: Run, points: list[tuple[str, dict[str, dict[s
         ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker="o", label=split)
     ax.set_xlabel("training env steps")
     ax.set_ylabel("success rate (%)")
-    ax.set_title(f"{run.cfg.method}: greedy success vs env steps")
+    ax.set_title(f"{run.cfg.method}: held-out success ({run.cfg.eval.protocol}) vs env steps")
     ax.legend(fontsize=8)
     fig.tight_layout()
     path = run.dir / "plots" / f"{name}.png"
@@ -610,8 +610,7 @@ def run(run: Run) -> dict[str, Any]:
         return out
 
     def evaluate(k: int, pool: Any, extra: dict[str, Any]) -> dict[str, dict[str, Any]]:
-        actor = PolicyActor(policy, run.signal_env.instruction(), window,
-                            Sampling(0.0, max_new_tokens=cfg.agent.max_new_tokens))
+        actor = PolicyActor(policy, run.signal_env.instruction(), window, run.eval_sampling())
         return evaluate_with(run, actor, f"update-{k}", pool, extra)
 
     run_updates(run, loop, rollout_and_label, evaluate, results, eval_points)

@@ -486,9 +486,9 @@ class ContextActor(PolicyActor):
 
 def evaluate_with_context(run: Run, policy: Any, label: str, splits: Sequence[str], ctx_fn: Callable[[Episode], str],
                           position: str) -> dict[str, dict[str, Any]]:
-    """Greedy evaluation with a context in the prompt (collections eval/LABEL/SPLIT), like Run.evaluate."""
-    actor = ContextActor(policy, run.signal_env.instruction(), run.cfg.agent.history_window,
-                         Sampling(temperature=0.0, max_new_tokens=run.cfg.agent.max_new_tokens), ctx_fn, position)
+    """Evaluation (eval.*) with a context in the prompt (collections eval/LABEL/SPLIT), like Run.evaluate."""
+    actor = ContextActor(policy, run.signal_env.instruction(), run.cfg.agent.history_window, run.eval_sampling(),
+                         ctx_fn, position)
     return run.evaluate_actor(actor, label, list(splits))
 
 

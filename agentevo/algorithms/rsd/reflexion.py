@@ -3,7 +3,7 @@
 Per evaluation task: attempt 1 with the plain prompt; after a failure the same model (rsd.writer) writes a verbal
 reflection from the trajectory and its outcome; the reflections (at most 3, most recent first) are prepended to
 the next attempt; stop at success or after rsd.reflexion_attempts attempts. A task counts as solved if any
-attempt succeeds [S count; protocol O following Reflexion]. Attempts are greedy, like every evaluation.
+attempt succeeds [S count; protocol O following Reflexion]. Attempts are greedy (eval.temperature and eval.samples do not apply).
 """
 
 from __future__ import annotations

@@ -570,11 +570,11 @@ def guide_warm_start(run: Run) -> dict[str, Any]:
 
 def evaluate_guided(run: Run, policy: Any, label: str, keep: int | None, pool: Any = None,
                     extra: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
-    """Greedy evaluation with the guided actor (its guides steer its actions) at a given history retention."""
+    """Evaluation (eval.*) with the guided actor (its guides steer its actions) at a given history retention."""
     cfg, sg = run.cfg, run.cfg.selfguide
     with_guide = sg.guide != "none"
     max_new = cfg.agent.max_new_tokens + (sg.guide_max_tokens if with_guide else 0)
-    actor = GuidedActor(policy, run.signal_env.instruction(), cfg.agent.history_window, Sampling(0.0, max_new_tokens=max_new),
+    actor = GuidedActor(policy, run.signal_env.instruction(), cfg.agent.history_window, run.eval_sampling(max_new),
                         keep, make_masker(policy.tokenizer, sg.guide_position, with_guide))
     if pool is None:
         with run.pool() as p:
