@@ -1,0 +1,41 @@
+"""Paired comparison of sampled evaluations (agentevo eval ... --set eval.temperature=1.0 --set eval.samples=4):
+each run folder holds one evaluation; per task the success averaged over its samples; arm minus baseline paired by
+task (bootstrap interval over tasks, sign test on the tasks that differ), and the wrong-press rate per light.
+Usage (repository root): python docs/studies/real_model_probes/scripts/sampled_compare.py BASE ARM [BASE ARM ...]"""
+import sys
+from collections import defaultdict
+
+from agentevo.data.store import ExperienceStore
+from agentevo.eval.stats import format_p, paired_difference
+
+
+def per_task(run: str) -> tuple[dict[str, float], int, list[float]]:
+    store = ExperienceStore(f"{run}/experience.db")
+    (collection,) = [c for c in store.collections() if c.startswith("eval/")]
+    wins: dict[str, list[float]] = defaultdict(list)
+    wrong: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+    trajs = store.load(collection=collection)
+    for t in trajs:
+        wins[t.task.task_id].append(100.0 * bool(t.success))
+        light = 0
+        for s in t.steps:
+            verdict = s.next_obs.split(".")[0]
+            if verdict in ("Correct", "Wrong button"):
+                wrong[light][0] += 1
+                wrong[light][1] += verdict == "Wrong button"
+                light += 1
+    rates = [100 * b / a for _, (a, b) in sorted(wrong.items())]
+    return {k: sum(v) / len(v) for k, v in wins.items()}, len(trajs), rates
+
+
+args = sys.argv[1:]
+for base, arm in zip(args[::2], args[1::2], strict=True):
+    (b, nb, rb), (a, na, ra) = per_task(base), per_task(arm)
+    tasks = sorted(b)
+    if sorted(a) != tasks:
+        raise SystemExit(f"{base} and {arm} were evaluated on different tasks")
+    r = paired_difference([[a[t] for t in tasks]], [[b[t] for t in tasks]])
+    mean = lambda d: sum(d.values()) / len(d)  # noqa: E731
+    print(f"{arm} ({na} episodes) {mean(a):.1f}% vs {base} ({nb}) {mean(b):.1f}%: {r.mean:+.1f} points "
+          f"[{r.lo:+.1f}, {r.hi:+.1f}], tasks better / worse {r.wins} / {r.losses}, {format_p(r.p)}")
+    print(f"  wrong % per light: {base}: {' '.join(f'{x:.1f}' for x in rb)}; {arm}: {' '.join(f'{x:.1f}' for x in ra)}")
