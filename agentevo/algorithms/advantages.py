@@ -159,6 +159,24 @@ def group_normalise_steps(per_traj: Sequence[Tensor | Sequence[float]], eps: flo
     return list(torch.split(normed, [p.numel() for p in parts]))
 
 
+def normalise_per_step_index(per_traj: Sequence[Tensor | Sequence[float]], eps: float = 1e-6) -> list[Tensor]:
+    """Normalise ragged per-step values across the trajectories of a group at each step index t: the mean/std of
+    the values at t of every trajectory that has a step t. An index held by one trajectory, or with equal values,
+    gives 0. Unlike group_normalise_steps, a value that depends on t alone (the return-to-go of a constant reward)
+    normalises to 0."""
+    parts = [_f32(p).reshape(-1) for p in per_traj]
+    out = [torch.zeros_like(p) for p in parts]
+    for t in range(max((p.numel() for p in parts), default=0)):
+        rows = [i for i, p in enumerate(parts) if p.numel() > t]
+        vals = torch.stack([parts[i][t] for i in rows])
+        if _all_equal(vals):
+            continue
+        normed = (vals - vals.mean()) / (vals.std() + eps)
+        for i, v in zip(rows, normed, strict=True):
+            out[i][t] = v
+    return out
+
+
 def discounted_returns(rewards: Tensor | Sequence[float], gamma: float) -> Tensor:
     """Return-to-go G_t = Σ_{t'≥t} γ^{t'−t} r_{t'} along the last dim."""
     r = _f32(rewards)

@@ -173,6 +173,21 @@ def test_internal_returns_align_to_previous_step_and_normalise_over_group() -> N
     assert same[0].tolist() == pytest.approx([0.8660, -0.8660], abs=1e-4) and same[0].tolist() == same[1].tolist()
 
 
+
+def test_internal_returns_normalised_per_step_index() -> None:
+    """int_norm=step: at each t, over the episodes that have a step t. Always 'good' -> 0 everywhere (group norm
+    gives +-0.866 by position, above). Verdicts [., 1, -1, 0] and [., 1, 1]: r_int [1, -1, 0, 0] and [1, 1, 0],
+    gamma 0.5 -> G [0.5, -1, 0, 0] and [1.5, 1, 0]; at t=1 values 0.5 / 1.5 -> -/+0.7071 (sample std 0.7071), at
+    t=2 -1 / 1 -> -/+0.7071, t=3 equal -> 0, t=4 only one episode -> 0."""
+    from agentevo.algorithms.advantages import normalise_per_step_index
+
+    assert [x.tolist() for x in internal_advantages([[1, 1, 1], [1, 1, 1]], 0.95, "step")] == [[0.0] * 3] * 2
+    a, b = internal_advantages([[None, 1, -1, 0], [0, 1, 1]], 0.5, "step")
+    assert a.tolist() == pytest.approx([-0.7071, -0.7071, 0.0, 0.0], abs=1e-4)
+    assert b.tolist() == pytest.approx([0.7071, 0.7071, 0.0], abs=1e-4)
+    assert normalise_per_step_index([]) == [] and normalise_per_step_index([[2.0, 3.0]])[0].tolist() == [0.0, 0.0]
+
+
 def test_trust_schedule_and_stages_at_breakpoints() -> None:
     K, bp = 10, (0.2, 0.5)
     lam = [trust_weight(k, K, 0.5, bp, "staged") for k in range(K)]

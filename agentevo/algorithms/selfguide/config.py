@@ -15,7 +15,7 @@ GUIDE_MODES = ("none", "infer_only", "train")  # spec's "off" is "none": YAML 1.
 SCHEDULES = ("staged", "constant", "none")
 HISTORY_GUIDES = ("staged", "none", "last", "all")
 GUIDE_TOKENS_ADV = ("env", "combined")
-INT_NORMS = ("group", "none")
+INT_NORMS = ("group", "step", "none")
 GUIDE_POSITIONS = ("before", "after")
 DEMO_VERDICTS = ("oracle", "self")
 
@@ -33,8 +33,9 @@ class SelfGuideConfig:
     breakpoints: tuple[float, float] = option("stage breakpoints as fractions of the updates [O: 20% / 50%]",
                                               (0.2, 0.5), ge=0, le=1)
     gamma_int: float = option("discount of the internal return-to-go [O: 0.95]", 0.95, ge=0, le=1)
-    int_norm: str = option("normalisation of the internal return: group (over all steps of the group) | none [I]",
-                           "group")
+    int_norm: str = option("normalisation of the internal return: group (over all steps of the group) | step (over "
+                           "the group's episodes at the same step index, so an agent that always says 'good' gets "
+                           "zero) | none [I]", "group")
     guide_tokens_adv: str = option("advantage of the guide tokens: env (outcome only) | combined (hacking ablation) [I]",
                                    "env")
     history_guides: str = option(

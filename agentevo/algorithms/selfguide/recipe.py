@@ -49,6 +49,7 @@ from agentevo.algorithms.advantages import (
     discounted_returns,
     group_normalise_steps,
     internal_rewards_from_verdicts,
+    normalise_per_step_index,
     trust_weight,
 )
 from agentevo.algorithms.bc import WARM_START_PHASES, _TextOnlyRenderer, import_warm_start, nll_loss
@@ -232,7 +233,11 @@ def internal_advantages(group_verdicts: Sequence[Sequence[int | None]], gamma_in
                         eps: float = 1e-6) -> list[torch.Tensor]:
     """Â_int per trajectory of a group: verdicts -> r_int (shifted to the previous step) -> G_int -> normalised."""
     returns = [discounted_returns(internal_rewards_from_verdicts(v), gamma_int) for v in group_verdicts]
-    return group_normalise_steps(returns, eps=eps) if norm == "group" else returns
+    if norm == "group":
+        return group_normalise_steps(returns, eps=eps)
+    if norm == "step":
+        return normalise_per_step_index(returns, eps=eps)
+    return returns
 
 
 def token_advantages(masks: Sequence[Sequence[bool]], a_env: float, step_terms: Sequence[float],
