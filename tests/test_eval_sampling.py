@@ -24,7 +24,8 @@ def test_samples_need_a_temperature_and_the_protocol_is_named(tmp_path: Path) ->
     assert _cfg(tmp_path, "d", "eval.temperature=1.0", "eval.samples=4").eval.protocol == "T=1, 4 samples per task"
 
 
-def test_sampled_evaluation_plays_each_task_k_times_reproducibly(tmp_path: Path, tiny_policy: Any) -> None:
+def test_sampled_evaluation_plays_each_task_k_times_reproducibly(tmp_path: Path, tiny_policy: Any,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     from agentevo.eval.compare import task_outcomes
     from agentevo.eval.report import write_report
     from agentevo.run import Run
@@ -52,6 +53,14 @@ def test_sampled_evaluation_plays_each_task_k_times_reproducibly(tmp_path: Path,
     per_task = task_outcomes(tmp_path / "s", "init", "test", "reward")
     assert per_task == {t: pytest.approx(50.0 * sum(x.final_reward for x in trajs if x.task.task_id == t))
                         for t in ids[:3]}  # each task's two episodes averaged
+    from agentevo.cli import _summary_table
+
+    run = Run.open(tmp_path / "s", quiet=True)
+    try:
+        _summary_table(run, {"eval/init": {"test": metrics}})
+    finally:
+        run.close()
+    assert "│ init   │ test  │ 3     │" in capsys.readouterr().out  # tasks, not episodes
     greedy, one_each = evaluate("g")
     assert greedy["n"] == 3 and "samples_per_task" not in greedy and len(one_each) == 3
     assert "## Held-out evaluation (greedy)" in (tmp_path / "g" / "report.md").read_text()
