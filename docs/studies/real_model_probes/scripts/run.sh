@@ -83,5 +83,23 @@ sg6r() {  # NAME SEED [extra --set ...]
 }
 sg6r sg6r-const-s0 0 --set selfguide.schedule=constant
 sg6r sg6r-lam0-s0 0 --set selfguide.schedule=none --set bc.warm_start_from=runs/real/sg6r-const-s0
-sg6r sg6r-none-s0 0 --set selfguide.guide=none
-.venv/bin/python $S/light_errors.py runs/real/sg6r-const-s0 runs/real/sg6r-lam0-s0 runs/real/sg6r-none-s0
+# not run (did not fit the session): sg6r sg6r-none-s0 0 --set selfguide.guide=none
+# the internal return normalised per step index (selfguide.int_norm=step), from the same guided BC
+sg6r sg6r-step-s0 0 --set selfguide.schedule=constant --set selfguide.int_norm=step \
+  --set bc.warm_start_from=runs/real/sg6r-const-s0
+.venv/bin/python $S/light_errors.py runs/real/sg6r-const-s0 runs/real/sg6r-lam0-s0 runs/real/sg6r-step-s0
+# greedy evaluation is at 100% from BC on (the argmax is right at every light), so each checkpoint is also
+# evaluated sampled: T = 1, 4 seeded episodes per test task, the guide history of the stage it was trained in
+for arm in const lam0 step; do
+  R=runs/real/sg6r-$arm-s0
+  for pt in bc:none update-3:last update-6:all; do
+    ck=${pt%%:*}; hist=${pt##*:}
+    [ $arm = step ] && [ $ck = bc ] && continue  # the same guided BC as const
+    .venv/bin/agentevo eval --model $R/checkpoints/$ck --guide --guide-history $hist --config $R/config.yaml \
+      --set eval.temperature=1.0 --set eval.samples=4 --name sgT1-$arm-$ck --output-dir runs/real --quiet
+  done
+done
+P=runs/real/sgT1
+.venv/bin/python $S/sampled_compare.py $P-const-bc $P-const-update-3 $P-const-bc $P-const-update-6 \
+  $P-const-bc $P-lam0-update-3 $P-const-bc $P-lam0-update-6 $P-lam0-update-3 $P-const-update-3 \
+  $P-lam0-update-6 $P-const-update-6 $P-lam0-update-3 $P-step-update-3 $P-lam0-update-6 $P-step-update-6
