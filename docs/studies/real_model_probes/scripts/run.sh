@@ -84,7 +84,7 @@ sg6r() {  # NAME SEED [extra --set ...]
 sg6r sg6r-const-s0 0 --set selfguide.schedule=constant
 sg6r sg6r-lam0-s0 0 --set selfguide.schedule=none --set bc.warm_start_from=runs/real/sg6r-const-s0
 # not run (did not fit the session): sg6r sg6r-none-s0 0 --set selfguide.guide=none
-# the internal return normalised per step index (selfguide.int_norm=step), from the same guided BC
+# the internal return normalised per step index (selfguide.int_norm=step), from the same guided BC (not run yet)
 sg6r sg6r-step-s0 0 --set selfguide.schedule=constant --set selfguide.int_norm=step \
   --set bc.warm_start_from=runs/real/sg6r-const-s0
 .venv/bin/python $S/light_errors.py runs/real/sg6r-const-s0 runs/real/sg6r-lam0-s0 runs/real/sg6r-step-s0
