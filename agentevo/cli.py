@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentevo.errors import AgentevoError, ConfigError
 from agentevo.eval.compare import METRICS
+from agentevo.eval.metrics import tasks_played
 
 if TYPE_CHECKING:
     from agentevo.run import Run
@@ -30,7 +31,7 @@ def _summary_table(run: Run, results: dict[str, Any]) -> None:
             if not isinstance(m, dict) or "success_rate" not in m:
                 continue
             table.add_row(
-                key[len("eval/") :], split, str(m["n"] // m.get("samples_per_task", 1)), f"{100 * m['success_rate']:.1f}%",
+                key[len("eval/") :], split, str(tasks_played(m)), f"{100 * m['success_rate']:.1f}%",
                 f"{m['avg_reward']:.3f}", f"{m['mean_steps']:.1f}", f"{100 * m['format_error_rate']:.1f}%",
                 f"{100 * m['invalid_rate']:.1f}%", m.get("task_hash", ""),
             )

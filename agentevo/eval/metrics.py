@@ -55,6 +55,11 @@ def summarize(trajs: list[Trajectory]) -> dict[str, Any]:
     }
 
 
+def tasks_played(metrics: dict[str, Any]) -> int:
+    """Tasks an evaluation played: its episodes over eval.samples (samples_per_task, logged when sampled)."""
+    return int(metrics["n"]) // int(metrics.get("samples_per_task", 1))
+
+
 def auc(scores: Sequence[float], positive: Sequence[bool]) -> float | None:
     """ROC AUC of scores for the positive class (Mann-Whitney, ties count 1/2); None without both classes."""
     pos = [s for s, p in zip(scores, positive, strict=True) if p]

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentevo.eval.diagnostics import render_section
-from agentevo.eval.metrics import eval_collection
+from agentevo.eval.metrics import eval_collection, tasks_played
 
 if TYPE_CHECKING:
     from agentevo.run import Run
@@ -120,7 +120,7 @@ def write_report(run: Run) -> Path:
     ]
     for policy, split, m in rows:
         lines.append(
-            f"| {policy} | {split} | {m['n'] // m.get('samples_per_task', 1)} | {100 * m['success_rate']:.1f}% | {m['avg_reward']:.3f} | "
+            f"| {policy} | {split} | {tasks_played(m)} | {100 * m['success_rate']:.1f}% | {m['avg_reward']:.3f} | "
             f"{m['mean_steps']:.1f} | {100 * m['format_error_rate']:.1f}% | {100 * m['invalid_rate']:.1f}% | "
             f"{100 * m['repeat_rate']:.1f}% | `{m.get('task_hash', '')}` |"
         )

@@ -698,7 +698,16 @@ def improve_policy(run: Run, r: int, data: Dataset) -> dict[str, Any]:
     stats = finetune(run, policy, samples, policy_loss(q), f"round-{r}", optim=optim, seed=cfg.seed + r,
                      log_phase=f"round-{r}/policy/train", model=policy.model.train(), merge_lora=False)
     # Did the update follow the advantages? log pi_r - log pi_{r-1} of every training action (one forward pass).
-    new = span_logprobs(policy.model, samples, policy.pad_id, micro)
+    follow = update_follow_record(data, samples, old, span_logprobs(policy.model, samples, policy.pad_id, micro))
+    run.logger.log("diag/qevolve", r, follow)  # merged with the critic's and the advantages' records of the round
+    return {**stats, "samples": len(samples),
+            "old_vs_behaviour_abs_diff": sum(diffs) / len(diffs) if diffs else 0.0, "diag": follow}
+
+
+def update_follow_record(data: Dataset, samples: list[StepSample], old: list[list[float]],
+                         new: list[list[float]]) -> dict[str, Any]:
+    """diagnostics.update_follow over every step of D: each reply's summed change new - old (span_logprobs rows of
+    the same samples), its advantage label, and whether the rules flagged the step."""
     deltas, adv, flagged = [], [], []
     for s, o, n in zip(samples, old, new, strict=True):
         for t, a, d in zip(s.steps, s.labels["adv"], span_sums(s.spans, [y - x for x, y in zip(o, n, strict=True)]),
@@ -706,10 +715,7 @@ def improve_policy(run: Run, r: int, data: Dataset) -> dict[str, Any]:
             deltas.append(d)
             adv.append(a)
             flagged.append(data.trajs[s.traj_index].steps[t - 1].signal != SIGNAL_NONE)
-    follow = diagnostics.update_follow(deltas, adv, flagged)
-    run.logger.log("diag/qevolve", r, follow)  # merged with the critic's and the advantages' records of the round
-    return {**stats, "samples": len(samples),
-            "old_vs_behaviour_abs_diff": sum(diffs) / len(diffs) if diffs else 0.0, "diag": follow}
+    return diagnostics.update_follow(deltas, adv, flagged)
 
 
 def span_sums(spans: list[tuple[int, int]], per_token: list[float]) -> list[float]:

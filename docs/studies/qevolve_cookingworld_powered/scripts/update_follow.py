@@ -10,8 +10,6 @@ import torch
 
 from agentevo.algorithms.bc import ensure_reply_ids
 from agentevo.algorithms.qevolve import recipe as qe
-from agentevo.envs.base import SIGNAL_NONE
-from agentevo.eval import diagnostics
 from agentevo.run import Run
 
 torch.set_num_threads(int(sys.argv[1]) if sys.argv[1].isdigit() else 1)
@@ -27,13 +25,6 @@ for path in [a for a in sys.argv[1:] if not a.isdigit()]:
     micro = cfg.qevolve.policy_micro_batch_size
     old = qe.span_logprobs(old_policy.model, samples, old_policy.pad_id, micro)
     new = qe.span_logprobs(run.load_policy("round-1").model, samples, old_policy.pad_id, micro)
-    deltas, adv, flagged = [], [], []
-    for s, o, n in zip(samples, old, new, strict=True):
-        changes = qe.span_sums(s.spans, [y - x for x, y in zip(o, n, strict=True)])
-        for t, a, d in zip(s.steps, s.labels["adv"], changes, strict=True):
-            deltas.append(d)
-            adv.append(a)
-            flagged.append(data.trajs[s.traj_index].steps[t - 1].signal != SIGNAL_NONE)
-    out = diagnostics.update_follow(deltas, adv, flagged)
+    out = qe.update_follow_record(data, samples, old, new)
     print(path, {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()})
     run.close()
