@@ -8,12 +8,20 @@ TORCH_VERSION ?= 2.13.0
 
 .PHONY: demo evolve test test-gpu test-slow lint bench install install-test check-java clean models models-qwen
 
+# Installing needs disk (the test venv is ~2.2 GB with torch CPU); fail early with a clear line, not pip's OSError.
+MIN_FREE_GB ?= 3
+CHECK_DISK = @free=$$(df -Pk . | awk 'NR==2 {print int($$4 / 1048576)}'); \
+	if [ "$$free" -lt $(MIN_FREE_GB) ]; then \
+	  echo "error: $$free GB free on the disk holding $(CURDIR); installing .venv needs about $(MIN_FREE_GB) GB: free space (old runs/, clones, pip cache) or set MIN_FREE_GB" >&2; exit 1; fi
+
 $(PY):
+	$(CHECK_DISK)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
 # torch is pinned to the CPU build (a bare `torch` requirement can pull a multi-GB CUDA build)
 $(VENV)/.installed-base: pyproject.toml | $(PY)
+	$(CHECK_DISK)
 	echo "torch==$(TORCH_VERSION)" > $(PIN)
 	$(PIP) install -q -c $(PIN) "torch==$(TORCH_VERSION)"
 	$(PIP) install -q -c $(PIN) -e ".[twx]"
@@ -21,6 +29,7 @@ $(VENV)/.installed-base: pyproject.toml | $(PY)
 
 # alfworld builds fast-downward from source with `python` taken from PATH: put the venv first
 $(VENV)/.installed-test: $(VENV)/.installed-base
+	$(CHECK_DISK)
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PIP) install -q -c $(PIN) -e ".[twx,scienceworld,alfworld,dev,ray,tensorboard,export,bench]"
 	touch $@
 

@@ -7,6 +7,8 @@ import copy
 import json
 import logging
 import os
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -246,3 +248,22 @@ def test_grpo_checkpoint_refuses_crafted_or_damaged_files(tiny_policy: Any, tmp_
     with pytest.raises(AgentevoError, match=r"^refusing to load .*optimizer\.pt: it holds objects other than"):
         other.restore(latest)
     assert not marker.exists()
+
+
+def test_make_install_refuses_a_full_disk_in_one_line(tmp_path: Path) -> None:
+    """Too little free disk for the venv stops `make` before pip with one line naming the need and the fix."""
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    root = Path(__file__).resolve().parents[1]
+    shutil.copy(root / "Makefile", tmp_path / "Makefile")
+    (tmp_path / "pyproject.toml").write_text("[project]\nname = 'x'\n")
+    # PYTHON=false: were the check to pass, creating the venv fails instead of installing anything
+    done = subprocess.run(["make", ".venv/bin/python", "MIN_FREE_GB=1000000", "PYTHON=false"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "GB free" in errors[0] and "needs about 1000000 GB" in errors[0], done.stderr
+    assert not (tmp_path / ".venv").exists()
+    passed = subprocess.run(["make", ".venv/bin/python", "MIN_FREE_GB=0", "PYTHON=false"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)
+    assert "error:" not in passed.stderr and "false -m venv" in passed.stdout
