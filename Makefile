@@ -91,8 +91,8 @@ lint: install-test
 	$(VENV)/bin/ruff check agentevo tests bench
 
 ## Every CPU bench in one go (bench_vllm needs a GPU: run it by hand). Each prints its own ratios; docs/benchmarks.md.
-BENCHES := bench_rollout bench_logprobs bench_packing bench_methods bench_qevolve bench_grpo bench_rsd bench_text_envs \
-	bench_scienceworld bench_alfworld
+BENCHES := bench_rollout bench_generate bench_trl_sft bench_logprobs bench_packing bench_mfu bench_methods bench_qevolve \
+	bench_grpo bench_rsd bench_text_envs bench_scienceworld bench_alfworld
 bench: install-test
 	@$(PY) -c "import sys; sys.path.insert(0, 'bench'); from benchlib import cpu_line; print(cpu_line())"
 	@set -e; for b in $(BENCHES); do echo "== $$b"; OMP_NUM_THREADS=1 $(PY) bench/$$b.py; done

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import importlib.util
 import sys
@@ -149,3 +150,19 @@ def test_bench_trl_sft_smoke(tmp_path: Path) -> None:
     a, b = summary["loss_step1"]
     assert abs(a - b) < 1e-4 and summary["loss_max_abs_diff"] < 1e-4  # both train on the same reply tokens
     assert all(math.isfinite(summary[k]) and summary[k] > 0 for k in ("ratio_steady", "ratio_cpu", "ratio_end_to_end"))
+
+
+def test_bench_mfu_smoke_counts_palm_flops(monkeypatch: pytest.MonkeyPatch, capsys, tmp_path: Path) -> None:  # noqa: ANN001
+    bench = _bench("bench_mfu", monkeypatch)
+    # 2 layers of hidden 64, MLP 128: 4*64*64 attention + 3*64*128 MLP per layer, plus the tied 256 x 64 head
+    shape = argparse.Namespace(vocab=256, hidden=64, mlp=128, layers=2, heads=2, seq=64, seed=0)
+    assert bench.matmul_params(bench.build_model(shape, None)) == 2 * (16384 + 24576) + 16384
+    assert bench.model_flops([10, 20], 98304, 2, 64) == 10 * (6 * 98304 + 1536 * 10) + 20 * (6 * 98304 + 1536 * 20)
+    assert bench.gpu_peak_tflops("NVIDIA H100 PCIe") == 756.0 and bench.gpu_peak_tflops("NVIDIA H200") == 989.4
+    assert bench.gpu_peak_tflops("Some Other GPU") is None
+    out = bench.main(["--smoke", "--out", str(tmp_path / "mfu.json")])
+    assert out["matmul_params"] == 98304 and out["loss_max_abs_diff"] < 1e-4  # packing changes no loss
+    for r in out["results"]:
+        assert r["mfu"] == pytest.approx(r["tflops"] / out["peak_tflops"]) and 0 < r["mfu"] < 1
+    text = capsys.readouterr().out
+    assert "padding-free / padded:" in text and "target: MFU >= 35%" in text
