@@ -11,6 +11,7 @@ Greedy fp32 replies of every mode are checked to be token-identical to generate'
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_generate.py             # tiny default model, CPU or GPU
     .venv/bin/python bench/bench_generate.py --smoke                      # seconds: a 2-layer model, batch 1 and 4
+    python bench/bench_generate.py --shape 768x12x12x3072 --batches 1,8,64   # GPU: the issue's ~110M shape
     .venv/bin/python bench/bench_generate.py --model Qwen/Qwen2.5-0.5B-Instruct --batches 1,8,32
 """
 
@@ -49,8 +50,13 @@ def build_model(args: argparse.Namespace) -> tuple[Any, Any]:
         from agentevo.models.tiny import build_tiny_model, train_tokenizer
 
         tokenizer = train_tokenizer(CORPUS, 2048)
-        cfg = (TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128) if args.smoke
-               else TinyModelConfig())
+        if args.smoke:
+            cfg = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128)
+        elif args.shape:
+            hidden, layers, heads, mlp = (int(x) for x in args.shape.split("x"))
+            cfg = TinyModelConfig(hidden_size=hidden, num_layers=layers, num_heads=heads, intermediate_size=mlp)
+        else:
+            cfg = TinyModelConfig()
         model = placement.place(build_tiny_model(cfg, tokenizer, 0))
     return model.eval(), tokenizer
 
@@ -88,6 +94,8 @@ def play(policy: TransformersPolicy, prompts: list[list[int]], obs: list[int], t
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="checkpoint folder or hub id in the local HF cache (default: tiny model)")
+    parser.add_argument("--shape", help="a randomly initialised tiny-family model of HIDDENxLAYERSxHEADSxMLP instead of "
+                        "the default (768x12x12x3072: ~115M parameters, the performance issue's GPU shape)")
     parser.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes (episodes in flight)")
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--max-new", type=int, default=32, help="new tokens per reply (no stop token: all run)")
