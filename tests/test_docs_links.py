@@ -86,25 +86,29 @@ def broken_links(path: Path, root: Path = ROOT) -> list[str]:
     """One message per broken relative link of a markdown file: where, the link, what is missing."""
     problems: list[str] = []
     rel = path.relative_to(root)
-    for number, line in prose_lines(path.read_text(encoding="utf-8")):
-        for match in LINK.finditer(line):
-            target = match.group(1).strip("<>")
-            if SCHEME.match(target):
-                continue
-            where = f"{rel}:{number}: link ({target})"
-            file_part, _, anchor = target.partition("#")
-            file_part = unquote(file_part)
-            if file_part:
-                dest = (root / file_part.lstrip("/")) if file_part.startswith("/") else (path.parent / file_part)
-            else:
-                dest = path
-            if not dest.exists():
-                problems.append(f"{where}: no file or folder {shown(dest, root)}")
-                continue
-            if anchor and dest.is_file() and dest.suffix == ".md":
-                anchor = unquote(anchor)
-                if anchor not in anchors_in(dest.resolve()):
-                    problems.append(f"{where}: no heading with anchor #{anchor} in {shown(dest, root)}")
+    text = path.read_text(encoding="utf-8")
+    prose = dict(prose_lines(text))
+    # code lines blanked, line count kept, so a link whose text wraps onto the next line is still one match
+    joined = "\n".join(prose.get(number, "") for number in range(1, len(text.splitlines()) + 1))
+    for match in LINK.finditer(joined):
+        target = match.group(1).strip("<>")
+        if SCHEME.match(target):
+            continue
+        line = joined.count("\n", 0, match.start()) + 1
+        where = f"{rel}:{line}: link ({target})"
+        file_part, _, anchor = target.partition("#")
+        file_part = unquote(file_part)
+        if file_part:
+            dest = (root / file_part.lstrip("/")) if file_part.startswith("/") else (path.parent / file_part)
+        else:
+            dest = path
+        if not dest.exists():
+            problems.append(f"{where}: no file or folder {shown(dest, root)}")
+            continue
+        if anchor and dest.is_file() and dest.suffix == ".md":
+            anchor = unquote(anchor)
+            if anchor not in anchors_in(dest.resolve()):
+                problems.append(f"{where}: no heading with anchor #{anchor} in {shown(dest, root)}")
     return problems
 
 
@@ -139,9 +143,12 @@ def test_checker_reports_broken_links(tmp_path: Path) -> None:
         "[ok](b.md#part-one) [ok](#a) [ok](https://example.com/x.md) [ok](mailto:x@y.z) ![ok](b.md)",
         "[gone](missing.md) [bad anchor](b.md#part-two) [self](#nowhere) `[code](skipped.md)`",
         "```", "[fenced](skipped.md)", "```",
+        "a [link that",
+        "wraps](wrapped.md) onto the next line",
     ]), encoding="utf-8")
     problems = broken_links(page, root=tmp_path)
-    assert len(problems) == 3, problems
+    assert len(problems) == 4, problems
     assert "docs/a.md:3: link (missing.md): no file or folder docs/missing.md" in problems[0]
     assert "#part-two" in problems[1] and "docs/b.md" in problems[1]
     assert "#nowhere" in problems[2]
+    assert "docs/a.md:7: link (wrapped.md)" in problems[3]
