@@ -1,7 +1,8 @@
 """Paired comparison of sampled evaluations (agentevo eval ... --set eval.temperature=1.0 --set eval.samples=4):
 each run folder holds one evaluation; per task the success averaged over its samples; arm minus baseline paired by
 task (bootstrap interval over tasks, sign test on the tasks that differ), and the wrong-press rate per light.
-Usage (repository root): python docs/studies/real_model_probes/scripts/sampled_compare.py BASE ARM [BASE ARM ...]"""
+Usage (repository root): python docs/studies/real_model_probes/scripts/sampled_compare.py [--pool] BASE ARM [BASE ARM ...]
+--pool: also one paired result over all the pairs (rows = pairs, e.g. one per seed; the same tasks in each)."""
 import sys
 from collections import defaultdict
 
@@ -29,13 +30,25 @@ def per_task(run: str) -> tuple[dict[str, float], int, list[float]]:
 
 
 args = sys.argv[1:]
+pool = "--pool" in args
+args = [a for a in args if a != "--pool"]
+pooled_arm: list[list[float]] = []
+pooled_base: list[list[float]] = []
 for base, arm in zip(args[::2], args[1::2], strict=True):
     (b, nb, rb), (a, na, ra) = per_task(base), per_task(arm)
     tasks = sorted(b)
     if sorted(a) != tasks:
         raise SystemExit(f"{base} and {arm} were evaluated on different tasks")
     r = paired_difference([[a[t] for t in tasks]], [[b[t] for t in tasks]])
+    pooled_arm.append([a[t] for t in tasks])
+    pooled_base.append([b[t] for t in tasks])
     mean = lambda d: sum(d.values()) / len(d)  # noqa: E731
     print(f"{arm} ({na} episodes) {mean(a):.1f}% vs {base} ({nb}) {mean(b):.1f}%: {r.mean:+.1f} points "
           f"[{r.lo:+.1f}, {r.hi:+.1f}], tasks better / worse {r.wins} / {r.losses}, {format_p(r.p)}")
     print(f"  wrong % per light: {base}: {' '.join(f'{x:.1f}' for x in rb)}; {arm}: {' '.join(f'{x:.1f}' for x in ra)}")
+if pool:
+    r = paired_difference(pooled_arm, pooled_base)
+    arm_mean = sum(map(sum, pooled_arm)) / sum(map(len, pooled_arm))
+    base_mean = sum(map(sum, pooled_base)) / sum(map(len, pooled_base))
+    print(f"pooled over {r.n_pairs} pairs x {r.n_tasks} tasks: {arm_mean:.1f}% vs {base_mean:.1f}%: {r.mean:+.1f} points "
+          f"[{r.lo:+.1f}, {r.hi:+.1f}], task-pairs better / worse {r.wins} / {r.losses}, {format_p(r.p)}")
