@@ -81,25 +81,36 @@ sg6r() {  # NAME SEED [extra --set ...]
   local name=$1 seed=$2; shift 2
   sg6 $name $seed --set env.params.noise_at=random --set env.params.expert_noise=1.0 "$@"
 }
-sg6r sg6r-const-s0 0 --set selfguide.schedule=constant
-sg6r sg6r-lam0-s0 0 --set selfguide.schedule=none --set bc.warm_start_from=runs/real/sg6r-const-s0
-# not run (did not fit the session): sg6r sg6r-none-s0 0 --set selfguide.guide=none
-# the internal return normalised per step index (selfguide.int_norm=step), from the same guided BC (not run yet)
+for s in 0 1; do
+  sg6r sg6r-const-s$s $s --set selfguide.schedule=constant
+  sg6r sg6r-lam0-s$s $s --set selfguide.schedule=none --set bc.warm_start_from=runs/real/sg6r-const-s$s
+done
+# the internal return normalised per step index (selfguide.int_norm=step), from the same guided BC (seed 0 only)
 sg6r sg6r-step-s0 0 --set selfguide.schedule=constant --set selfguide.int_norm=step \
   --set bc.warm_start_from=runs/real/sg6r-const-s0
-.venv/bin/python $S/light_errors.py runs/real/sg6r-const-s0 runs/real/sg6r-lam0-s0 runs/real/sg6r-step-s0
+# not run to the end (its machine was shut down at update 4): GRPO without guides, its own BC on the same demos
+# without guide lines: sg6r sg6r-none-s0 0 --set selfguide.guide=none
+.venv/bin/python $S/light_errors.py runs/real/sg6r-{const,lam0,step}-s0 runs/real/sg6r-{const,lam0}-s1
+.venv/bin/python $S/verdict_check.py runs/real/sg6r-const-s1
 # greedy evaluation is at 100% from BC on (the argmax is right at every light), so each checkpoint is also
-# evaluated sampled: T = 1, 4 seeded episodes per test task, the guide history of the stage it was trained in
-for arm in const lam0 step; do
-  R=runs/real/sg6r-$arm-s0
-  for pt in bc:none update-3:last update-6:all; do
-    ck=${pt%%:*}; hist=${pt##*:}
-    [ $arm = step ] && [ $ck = bc ] && continue  # the same guided BC as const
-    .venv/bin/agentevo eval --model $R/checkpoints/$ck --guide --guide-history $hist --config $R/config.yaml \
-      --set eval.temperature=1.0 --set eval.samples=4 --name sgT1-$arm-$ck --output-dir runs/real --quiet
-  done
+# evaluated sampled: T = 1, 4 seeded episodes per test task, the guide history of the stage it was trained in.
+sampled() {  # ARM SEED CHECKPOINT GUIDE_HISTORY (none for an unguided arm)
+  local R=runs/real/sg6r-$1-s$2 guide=(--guide --guide-history $4)
+  [ $1 = none ] && guide=()
+  .venv/bin/agentevo eval --model $R/checkpoints/$3 "${guide[@]}" --config $R/config.yaml \
+    --set eval.temperature=1.0 --set eval.samples=4 --name sgT1-$1-s$2-$3 --output-dir runs/real --quiet
+}
+for s in 0 1; do
+  sampled const $s bc none
+  for arm in const lam0; do sampled $arm $s update-3 last; sampled $arm $s update-6 all; done
 done
+sampled step 0 update-3 last; sampled step 0 update-6 all
 P=runs/real/sgT1
-.venv/bin/python $S/sampled_compare.py $P-const-bc $P-const-update-3 $P-const-bc $P-const-update-6 \
-  $P-const-bc $P-lam0-update-3 $P-const-bc $P-lam0-update-6 $P-lam0-update-3 $P-const-update-3 \
-  $P-lam0-update-6 $P-const-update-6 $P-lam0-update-3 $P-step-update-3 $P-lam0-update-6 $P-step-update-6
+for u in 3 6; do
+  .venv/bin/python $S/sampled_compare.py --pool $P-const-s0-bc $P-const-s0-update-$u $P-const-s1-bc $P-const-s1-update-$u
+  .venv/bin/python $S/sampled_compare.py --pool $P-const-s0-bc $P-lam0-s0-update-$u $P-const-s1-bc $P-lam0-s1-update-$u
+  .venv/bin/python $S/sampled_compare.py --pool $P-lam0-s0-update-$u $P-const-s0-update-$u \
+    $P-lam0-s1-update-$u $P-const-s1-update-$u
+  .venv/bin/python $S/sampled_compare.py $P-lam0-s0-update-$u $P-step-s0-update-$u \
+    $P-const-s0-update-$u $P-step-s0-update-$u
+done
