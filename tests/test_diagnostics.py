@@ -120,6 +120,15 @@ def test_other_methods_verdicts() -> None:
                                "guide_steps": 30})
     assert [(d.verdict, d.value) for d in sg] == [("fail", "20.0% vs 40.0%"), ("warn", "0.667 of 30 steps")]
     assert dg.selfguide_premise({"guided_success": 0.2})[0].verdict == "n/a"
+    # the seed-1 random-light run at update 6 (docs/studies/real_model_probes): 100 of 192 replies without a guide
+    late = {d.name.split(":")[0].split(" (")[0]: (d.value, d.verdict)
+            for d in dg.selfguide_premise({"verdict_auc_success": 0.48, "guide_format_error_rate": 100 / 192})}
+    assert late == {"verdict calibration": ("0.48", "fail"),
+                    "replies without a parseable guide verdict": ("0.521", "fail")}
+    held = [d.verdict for d in dg.selfguide_premise({"verdict_auc_success": 0.58, "guide_format_error_rate": 0.1})]
+    assert held == ["pass", "warn"]
+    assert [d.verdict for d in dg.selfguide_premise({"verdict_auc_success": 0.52,
+                                                     "guide_format_error_rate": 0.0})] == ["warn", "pass"]
     eto = dg.eto_dpo({"reward_margin": 0.4, "chosen_logp_drift": -3.0})
     assert [d.verdict for d in eto] == ["pass", "fail"] and "likelihood displacement" in eto[1].fix
 
@@ -139,6 +148,10 @@ def test_render_section_tables_means_and_merging() -> None:
     # five updates are averaged (0.6: warn)
     assert "### grpo, mean over updates 1-5: warn" in text
     assert "| zero-variance groups (all rewards equal) | 0.6 | warn |" in text
+    # ... and the last update beside the mean (1.0: fail), after it
+    assert "### grpo, update 5 (the last): fail" in text
+    assert text.index("mean over updates 1-5") < text.index("update 5 (the last)")
+    assert "| zero-variance groups (all rewards equal) | 1 | fail |" in text
     assert dg.render_section([{"phase": "bc/train", "step": 1, "loss": 1.0}]) == []
 
 

@@ -365,6 +365,18 @@ def selfguide_premise(v: dict[str, Any]) -> list[Diagnostic]:
                          grade(v["guide_agreement"], 0.8, 0.5),
                          "the guide does not steer the action: more guide-BC epochs or demos, or selfguide.guide=none",
                          f"{_fmt(v['guide_agreement'])} of {_fmt(v.get('guide_steps'))} steps"))
+    if v.get("verdict_auc_success") is not None:
+        # A perfectly judged episode with one wrong step among six scores only ~0.58 here (its other steps are
+        # rightly 'good'), so the bar is low; below 0.5 the verdicts favour the steps of failed episodes.
+        rows.append(_row("verdict calibration: AUC of the verdict for its step lying on a successful episode",
+                         v["verdict_auc_success"], grade(v["verdict_auc_success"], 0.55, 0.5),
+                         "the internal reward does not track success: keep it off (selfguide.schedule=none) or "
+                         "train the judging with oracle verdicts (selfguide.demo_verdicts=oracle)"))
+    if v.get("guide_format_error_rate") is not None:
+        rows.append(_row("replies without a parseable guide verdict (guide format lost)", v["guide_format_error_rate"],
+                         grade(v["guide_format_error_rate"], 0.05, 0.2, higher_is_better=False),
+                         "the guides drift out of format under RL (nothing rewards the format): lower grpo.lr, raise "
+                         "grpo.beta_kl, or use the last checkpoint whose guides held"))
     return rows + policy_update(v)
 
 
@@ -438,7 +450,7 @@ def render_section(records: list[dict[str, Any]], max_rows: int = 4) -> list[str
     """The report's 'Diagnostics' section from metrics records (phase diag/<method>); [] when there are none.
 
     Records at step 0 (before training) are shown as they are; with more than max_rows training records (one per
-    GRPO update, say) they are averaged into one table, else one table each.
+    GRPO update, say) they are averaged into one table and the last is shown beside it, else one table each.
     """
     by_method: dict[str, list[dict[str, Any]]] = {}
     for rec in records:
@@ -454,8 +466,11 @@ def render_section(records: list[dict[str, Any]], max_rows: int = 4) -> list[str
             tables.append((f"{method}, before training", diagnose(method, latest.pop(0))))
         steps = sorted(latest)
         if len(steps) > max_rows:
+            # The mean, and the last step alone: a premise that erodes late (guides drifting out of format) is what
+            # the last checkpoint carries, and a mean over the run dilutes it.
             tables.append((f"{method}, mean over {word}s {steps[0]}-{steps[-1]}",
                            diagnose(method, _mean_record([latest[s] for s in steps]))))
+            tables.append((f"{method}, {word} {steps[-1]} (the last)", diagnose(method, latest[steps[-1]])))
         else:
             tables += [(f"{method}, {word} {s}", diagnose(method, latest[s])) for s in steps]
     tables = [(title, diags) for title, diags in tables if diags]

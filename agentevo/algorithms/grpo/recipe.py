@@ -460,11 +460,13 @@ def acting_policy(run: Run, trainer: PolicyTrainer, k: int) -> Any:
     return run.rollout_policy(name, policy_id=f"update-{k - 1}")
 
 
-DIAG_KEYS = ("zero_var_frac", "kl", "clip_frac_low", "clip_frac_high", "guide_agreement", "guide_steps")
+DIAG_KEYS = ("zero_var_frac", "kl", "clip_frac_low", "clip_frac_high", "guide_agreement", "guide_steps",
+             "verdict_auc_success", "guide_format_error_rate")
 
 
 def update_diagnostics(record: dict[str, Any]) -> dict[str, Any]:
-    """The numbers of diagnostics.policy_update (and Self-Guide's agreement) out of an update's record."""
+    """The numbers of diagnostics.policy_update (and Self-Guide's agreement, calibration and guide format) out of an
+    update's record."""
     return {k: record[k] for k in DIAG_KEYS if record.get(k) is not None}
 
 
