@@ -24,6 +24,7 @@ from agentevo.algorithms.selfguide.recipe import (
     guides_kept,
     internal_advantages,
     make_masker,
+    oracle_agreement,
     oracle_verdict,
     parse_guide,
     stage_of,
@@ -213,6 +214,13 @@ def test_auc_and_oracle_verdicts() -> None:
     assert oracle_verdict([st(0.25), st(0.25)]) == 0
     assert oracle_verdict([st(0.25), st(0.25, "invalid")]) == -1
     assert oracle_verdict([st(0.5), st(0.25)]) == -1
+
+
+def test_oracle_agreement_counts_only_the_steps_the_score_judged() -> None:
+    # (oracle, own): a success-only score leaves every step but the last neutral; those do not count against the judge
+    pairs = [[0, 1], [0, -1], [1, 1], [-1, 1], [-1, -1]]
+    assert oracle_agreement(pairs) == {"self_verdict_oracle_agreement": 2 / 3, "self_verdict_oracle_steps": 3}
+    assert oracle_agreement([[0, 1], [0, -1]]) == {"self_verdict_oracle_agreement": None, "self_verdict_oracle_steps": 0}
 
 
 def test_detour_flags() -> None:

@@ -347,6 +347,15 @@ def oracle_verdict(steps: Sequence[Step]) -> int:
     return 0
 
 
+def oracle_agreement(pairs: Sequence[Sequence[int]]) -> dict[str, float | int | None]:
+    """How often the model's own verdict equals the environment's, over the (oracle, own) pairs whose oracle verdict
+    is not neutral: a score that moves only at the end (a success-only reward) judges no step before the last, and
+    counting its 'neutral' against the model's good / bad would read a calibrated judge as always wrong."""
+    judged = [(a, b) for a, b in pairs if a != 0]
+    return {"self_verdict_oracle_agreement": sum(a == b for a, b in judged) / len(judged) if judged else None,
+            "self_verdict_oracle_steps": len(judged)}
+
+
 def guided_reply(action: str, verdict: int, first: bool, thoughts: str = "template", position: str = "before",
                  with_guide: bool = True) -> str:
     """A demo reply: guide line (judging the previous step, naming the next action) + Thought + Action."""
@@ -538,9 +547,7 @@ def guide_warm_start(run: Run) -> dict[str, Any]:
                 "mean_steps": sum(t.length for t in trajs) / max(1, len(trajs)),
                 "detours": sum(len(t.meta.get("detours", [])) for t in trajs),
                 **(guide_stats(trajs, sg.guide_position, lambda ids: []) if with_guide else {}),
-                **({"self_verdicts": len(pairs),
-                    "self_verdict_oracle_agreement": sum(a == b for a, b in pairs) / max(1, len(pairs))}
-                   if self_judged else {})}
+                **({"self_verdicts": len(pairs), **oracle_agreement(pairs)} if self_judged else {})}
 
     results: dict[str, Any] = {"expert-guided": run.phase("expert-guided", collect)}
     demos = run.store.load(collection="expert-guided")

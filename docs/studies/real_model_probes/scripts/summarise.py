@@ -29,7 +29,10 @@ for run in sorted(p for p in root.iterdir() if (p / "state.json").exists()):
             print(f"  {key}: {shown}")
     if "expert-guided" in state and "self_verdicts" in state["expert-guided"]:
         e = state["expert-guided"]
-        print(f"  demos: self verdicts {e['self_verdicts']}, agree with oracle {e['self_verdict_oracle_agreement']:.2f}, "
-              f"AUC progress {e['verdict_auc_progress']:.2f}")
+        def num(x: object) -> str:
+            return "-" if x is None else f"{x:.2f}"
+        print(f"  demos: self verdicts {e['self_verdicts']}, agree with oracle {num(e['self_verdict_oracle_agreement'])} "
+              f"(over {e.get('self_verdict_oracle_steps', e['self_verdicts'])} steps the score judged), "
+              f"AUC progress {num(e['verdict_auc_progress'])}")
     if "round-1/sample" in state or any(k.startswith("bon") for k in state):
         print("  " + ", ".join(f"{k}: {v}" for k, v in state.items() if k.startswith(("bon", "round-1/s"))))
