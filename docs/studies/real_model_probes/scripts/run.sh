@@ -81,7 +81,7 @@ sg6r() {  # NAME SEED [extra --set ...]
   local name=$1 seed=$2; shift 2
   sg6 $name $seed --set env.params.noise_at=random --set env.params.expert_noise=1.0 "$@"
 }
-for s in 0 1; do
+for s in 0 1 2; do  # seed 2 ran on another machine (AMD EPYC, no AMX) a day later
   sg6r sg6r-const-s$s $s --set selfguide.schedule=constant
   sg6r sg6r-lam0-s$s $s --set selfguide.schedule=none --set bc.warm_start_from=runs/real/sg6r-const-s$s
 done
@@ -92,6 +92,7 @@ sg6r sg6r-step-s0 0 --set selfguide.schedule=constant --set selfguide.int_norm=s
 # without guide lines: sg6r sg6r-none-s0 0 --set selfguide.guide=none
 .venv/bin/python $S/light_errors.py runs/real/sg6r-{const,lam0,step}-s0 runs/real/sg6r-{const,lam0}-s1
 .venv/bin/python $S/verdict_check.py runs/real/sg6r-const-s1
+.venv/bin/python $S/light_errors.py runs/real/sg6r-{const,lam0}-s2; .venv/bin/python $S/verdict_check.py runs/real/sg6r-const-s2
 # greedy evaluation is at 100% from BC on (the argmax is right at every light), so each checkpoint is also
 # evaluated sampled: T = 1, 4 seeded episodes per test task, the guide history of the stage it was trained in.
 sampled() {  # ARM SEED CHECKPOINT GUIDE_HISTORY (none for an unguided arm)
@@ -100,17 +101,19 @@ sampled() {  # ARM SEED CHECKPOINT GUIDE_HISTORY (none for an unguided arm)
   .venv/bin/agentevo eval --model $R/checkpoints/$3 "${guide[@]}" --config $R/config.yaml \
     --set eval.temperature=1.0 --set eval.samples=4 --name sgT1-$1-s$2-$3 --output-dir runs/real --quiet
 }
-for s in 0 1; do
+for s in 0 1 2; do
   sampled const $s bc none
   for arm in const lam0; do sampled $arm $s update-3 last; sampled $arm $s update-6 all; done
 done
 sampled step 0 update-3 last; sampled step 0 update-6 all
 P=runs/real/sgT1
 for u in 3 6; do
-  .venv/bin/python $S/sampled_compare.py --pool $P-const-s0-bc $P-const-s0-update-$u $P-const-s1-bc $P-const-s1-update-$u
-  .venv/bin/python $S/sampled_compare.py --pool $P-const-s0-bc $P-lam0-s0-update-$u $P-const-s1-bc $P-lam0-s1-update-$u
+  .venv/bin/python $S/sampled_compare.py --pool $P-const-s0-bc $P-const-s0-update-$u $P-const-s1-bc $P-const-s1-update-$u \
+    $P-const-s2-bc $P-const-s2-update-$u
+  .venv/bin/python $S/sampled_compare.py --pool $P-const-s0-bc $P-lam0-s0-update-$u $P-const-s1-bc $P-lam0-s1-update-$u \
+    $P-const-s2-bc $P-lam0-s2-update-$u
   .venv/bin/python $S/sampled_compare.py --pool $P-lam0-s0-update-$u $P-const-s0-update-$u \
-    $P-lam0-s1-update-$u $P-const-s1-update-$u
+    $P-lam0-s1-update-$u $P-const-s1-update-$u $P-lam0-s2-update-$u $P-const-s2-update-$u
   .venv/bin/python $S/sampled_compare.py $P-lam0-s0-update-$u $P-step-s0-update-$u \
     $P-const-s0-update-$u $P-step-s0-update-$u
 done
