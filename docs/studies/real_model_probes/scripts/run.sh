@@ -88,8 +88,9 @@ done
 # the internal return normalised per step index (selfguide.int_norm=step), from the same guided BC (seed 0 only)
 sg6r sg6r-step-s0 0 --set selfguide.schedule=constant --set selfguide.int_norm=step \
   --set bc.warm_start_from=runs/real/sg6r-const-s0
-# not run to the end (its machine was shut down at update 4): GRPO without guides, its own BC on the same demos
-# without guide lines: sg6r sg6r-none-s0 0 --set selfguide.guide=none
+# GRPO without guides, its own BC on the same demos without guide lines (seed 2 only; a seed-0 run was lost with its
+# machine at update 4)
+sg6r sg6r-none-s2 2 --set selfguide.guide=none
 .venv/bin/python $S/light_errors.py runs/real/sg6r-{const,lam0,step}-s0 runs/real/sg6r-{const,lam0}-s1
 .venv/bin/python $S/verdict_check.py runs/real/sg6r-const-s1
 .venv/bin/python $S/light_errors.py runs/real/sg6r-{const,lam0}-s2; .venv/bin/python $S/verdict_check.py runs/real/sg6r-const-s2
@@ -106,6 +107,7 @@ for s in 0 1 2; do
   for arm in const lam0; do sampled $arm $s update-3 last; sampled $arm $s update-6 all; done
 done
 sampled step 0 update-3 last; sampled step 0 update-6 all
+for ck in bc update-3 update-6; do sampled none 2 $ck none; done
 P=runs/real/sgT1
 for u in 3 6; do
   .venv/bin/python $S/sampled_compare.py --pool $P-const-s0-bc $P-const-s0-update-$u $P-const-s1-bc $P-const-s1-update-$u \
@@ -115,5 +117,6 @@ for u in 3 6; do
   .venv/bin/python $S/sampled_compare.py --pool $P-lam0-s0-update-$u $P-const-s0-update-$u \
     $P-lam0-s1-update-$u $P-const-s1-update-$u $P-lam0-s2-update-$u $P-const-s2-update-$u
   .venv/bin/python $S/sampled_compare.py $P-lam0-s0-update-$u $P-step-s0-update-$u \
-    $P-const-s0-update-$u $P-step-s0-update-$u
+    $P-const-s0-update-$u $P-step-s0-update-$u $P-none-s2-update-$u $P-lam0-s2-update-$u \
+    $P-none-s2-update-$u $P-const-s2-update-$u
 done
