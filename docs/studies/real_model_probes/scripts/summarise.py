@@ -14,6 +14,10 @@ def pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}"
 
 
+def num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 for run in sorted(p for p in root.iterdir() if (p / "state.json").exists()):
     state = json.loads((run / "state.json").read_text())
     evals = {k[5:]: v["test"]["success_rate"] for k, v in state.items() if k.startswith("eval/") and "test" in v}
@@ -29,10 +33,10 @@ for run in sorted(p for p in root.iterdir() if (p / "state.json").exists()):
             print(f"  {key}: {shown}")
     if "expert-guided" in state and "self_verdicts" in state["expert-guided"]:
         e = state["expert-guided"]
-        def num(x: object) -> str:
-            return "-" if x is None else f"{x:.2f}"
-        print(f"  demos: self verdicts {e['self_verdicts']}, agree with oracle {num(e['self_verdict_oracle_agreement'])} "
-              f"(over {e.get('self_verdict_oracle_steps', e['self_verdicts'])} steps the score judged), "
-              f"AUC progress {num(e['verdict_auc_progress'])}")
+        # runs before self_verdict_oracle_steps counted agreement over every demo step
+        judged = (f" (over {e['self_verdict_oracle_steps']} steps the score judged)"
+                  if "self_verdict_oracle_steps" in e else "")
+        print(f"  demos: self verdicts {e['self_verdicts']}, agree with oracle {num(e['self_verdict_oracle_agreement'])}"
+              f"{judged}, AUC progress {num(e['verdict_auc_progress'])}")
     if "round-1/sample" in state or any(k.startswith("bon") for k in state):
         print("  " + ", ".join(f"{k}: {v}" for k, v in state.items() if k.startswith(("bon", "round-1/s"))))
