@@ -12,7 +12,7 @@ from agentevo.data.store import ExperienceStore
 from agentevo.data.types import Trajectory
 from agentevo.envs.base import Task
 from agentevo.errors import ConfigError
-from agentevo.eval.compare import compare, group_runs
+from agentevo.eval.compare import compare, group_runs, load_points
 from agentevo.eval.metrics import eval_collection
 
 
@@ -123,11 +123,14 @@ def test_paired_difference_vs_baseline_by_hand(tmp_path: Path, capsys: pytest.Ca
     # columns in the order the labels first appear: base's round-1, then qe's bc
     assert "| base | twx | s0, s1 | 37.5 ± 17.7 (25.0 / 50.0) | - |" in result.table
     assert "| qe | twx | s0, s1 | 75.0 ± 0.0 (75.0 / 75.0) | 37.5 ± 17.7 (25.0 / 50.0) |" in result.table
-    # 3 better cells, 0 worse: mean 3/8 = 37.5 points, p = 2 / 2^3; per-task means 0, 50, 50, 50 -> [12.5, 50]
-    # (see test_stats); `bc` is not in the baseline, so it is read against the baseline's last point (round-1),
+    # 3 better cells, 0 worse: mean 3/8 = 37.5 points, p = 2 / 2^3; per seed 2/4 and 1/4 of the tasks (+50, +25);
+    # per-task means 0, 50, 50, 50 -> [12.5, 50] (see test_stats); resampling seeds as well: of the 2^2 x 4^4
+    # equally likely (rows, columns) draws of [[0,100,100,0],[0,0,0,100]], the 2.5% / 97.5% quantiles are 0 and 75
+    # (enumerated). `bc` is not in the baseline, so it is read against the baseline's last point (round-1),
     # whose outcomes it equals task for task: +0.0, no discordant cell, p = 1
-    assert result.paired_table.splitlines()[2:] == ["| qe | bc vs round-1 | 2 | 4 | +0.0 | [+0.0, +0.0] | 0 / 0 | 1 |",
-                                                    "| qe | round-1 | 2 | 4 | +37.5 | [+12.5, +50.0] | 3 / 0 | 0.25 |"]
+    assert result.paired_table.splitlines()[2:] == [
+        "| qe | bc vs round-1 | 2 | 4 | +0.0 | +0.0 / +0.0 | [+0.0, +0.0] | [+0.0, +0.0] | 0 / 0 | 1 |",
+        "| qe | round-1 | 2 | 4 | +37.5 | +50.0 / +25.0 | [+12.5, +50.0] | [+0.0, +75.0] | 3 / 0 | 0.25 |"]
     assert result.sentences == ["- **qe** (round-1; base at round-1): difference vs base: +37.5 points "
                                 "[+12.5, +50.0], p = 0.25 (3 better / 0 worse over 2 seed pair(s) x 4 tasks); "
                                 "the interval excludes zero, but the exact test does not rule out chance "
@@ -137,11 +140,11 @@ def test_paired_difference_vs_baseline_by_hand(tmp_path: Path, capsys: pytest.Ca
     # the other way round (--baseline qe): every difference changes sign, so does the interval
     assert main(["compare", *map(str, runs), "--baseline", "qe", "--out", str(tmp_path / "o2")]) == 0
     out = capsys.readouterr().out
-    assert "| base | round-1 | 2 | 4 | -37.5 | [-50.0, -12.5] | 0 / 3 | 0.25 |" in out
+    assert "| base | round-1 | 2 | 4 | -37.5 | -50.0 / -25.0 | [-50.0, -12.5] | [-75.0, +0.0] | 0 / 3 | 0.25 |" in out
     assert ("- **base** (round-1; qe at round-1): difference vs qe: -37.5 points [-50.0, -12.5], p = 0.25" in out)
     # reward (= success / 2 here): every difference halves, the sign test is unchanged
     result = compare(runs, "test", tmp_path / "o3", metric="reward")
-    assert "| qe | round-1 | 2 | 4 | +18.8 | [+6.2, +25.0] | 3 / 0 | 0.25 |" in result.paired_table
+    assert "| qe | round-1 | 2 | 4 | +18.8 | +25.0 / +12.5 | [+6.2, +25.0] | [+0.0, +37.5] | 3 / 0 | 0.25 |" in result.paired_table
     assert "exact sign test on the per-task score differences" in result.text
 
 
@@ -151,15 +154,15 @@ def test_baseline_point_pairs_each_run_with_its_own_start(tmp_path: Path, capsys
     # qe's own bc -> round-1: s0 1000 -> 1110, s1 1100 -> 1101: the same cells as vs `base` above, so the same
     # numbers (+37.5 [+12.5, +50.0], 3 better / 0 worse, p = 2 / 2^3); `base` has no bc point and says so
     assert result.paired_table.splitlines()[2:] == [
-        "| base | round-1 vs bc | not paired: no evaluation at 'bc' in this arm | | | | | |",
-        "| qe | round-1 vs bc | 2 | 4 | +37.5 | [+12.5, +50.0] | 3 / 0 | 0.25 |"]
+        "| base | round-1 vs bc | not paired: no evaluation at 'bc' in this arm | | | | | | | |",
+        "| qe | round-1 vs bc | 2 | 4 | +37.5 | +50.0 / +25.0 | [+12.5, +50.0] | [+0.0, +75.0] | 3 / 0 | 0.25 |"]
     assert result.sentences[1].startswith("- **qe** (round-1): difference vs its own bc: +37.5 points [+12.5, +50.0]")
     assert "each run paired with itself" in result.text
     # only the points after the start: an `init` evaluated before `bc` is not a result of the method
     early = _run(tmp_path, "e-s0", {"init": 0.0, "bc": 0.5, "round-1": 0.5}, outcomes={
         "init": [0, 0], "bc": [1, 0], "round-1": [0, 1]})
     rows = compare([early], "test", tmp_path / "o5", baseline_point="bc").paired_table.splitlines()[2:]
-    assert rows == ["| e | round-1 vs bc | 1 | 2 | +0.0 | [-100.0, +100.0] | 1 / 1 | 1 |"]
+    assert rows == ["| e | round-1 vs bc | 1 | 2 | +0.0 | +0.0 | [-100.0, +100.0] | - (one seed pair) | 1 / 1 | 1 |"]
     assert main(["compare", *map(str, runs[2:]), "--baseline-point", "bc", "--out", str(tmp_path / "o2")]) == 0
     assert "| qe | round-1 vs bc | 2 | 4 | +37.5 |" in capsys.readouterr().out
     with pytest.raises(ConfigError, match="--baseline-point 'init': no arm has an evaluation with that label"):
@@ -223,6 +226,51 @@ def test_interval_and_exact_test_agreeing_say_the_interval_excludes_zero(tmp_pat
     (sentence,) = compare(runs, "test", tmp_path / "out").sentences
     assert sentence.startswith("- **b** (bc; a at bc): difference vs a: +80.0 points [+50.0, +100.0], p = 0.0078 ")
     assert sentence.endswith("; the interval excludes zero.")
+
+
+def test_standalone_evaluations_pair_by_checkpoint_name_across_seeds(tmp_path: Path) -> None:
+    # `agentevo eval` labels an evaluation CHECKPOINT-<hash>, a hash that differs per seed's checkpoint; compare
+    # matches them by the checkpoint's name, so two seeds pool (s0: +1 task of 2, s1: +2 of 2 -> +75.0, 3 / 0; task
+    # means 100 / 50 -> [50, 100]; resampling seeds too, seed 0 twice and its null task twice has p 1/16 -> [0, 100])
+    runs = [_run(tmp_path, "b-s0", {"update-3-0a1b2c3d": 0.0}, outcomes={"update-3-0a1b2c3d": [0, 0]}),
+            _run(tmp_path, "b-s1", {"update-3-99887766": 0.0}, outcomes={"update-3-99887766": [0, 0]}),
+            _run(tmp_path, "a-s0", {"update-3-deadbeef": 0.5}, outcomes={"update-3-deadbeef": [1, 0]}),
+            _run(tmp_path, "a-s1", {"update-3-12345678": 1.0}, outcomes={"update-3-12345678": [1, 1]})]
+    result = compare(runs, "test", tmp_path / "out", baseline="b")
+    assert result.paired_table.splitlines()[2:] == [
+        "| a | update-3 | 2 | 2 | +75.0 | +50.0 / +100.0 | [+50.0, +100.0] | [+0.0, +100.0] | 3 / 0 | 0.25 |"]
+    # two evaluations of different checkpoints with the same name in one folder keep their full labels
+    (tmp_path / "two").mkdir()
+    two = _run(tmp_path / "two", "c-s0", {"bc-11111111": 0.5, "bc-22222222": 0.0},
+               outcomes={"bc-11111111": [1, 0], "bc-22222222": [0, 0]})
+    assert [p.label for p in load_points(two, "test")] == ["bc-11111111", "bc-22222222"]
+
+
+def test_a_difference_one_seed_carries_is_called_inconsistent_across_seeds(tmp_path: Path) -> None:
+    # 20 tasks; the arm's seed 1 wins every task its baseline seed loses, seed 0 changes nothing: 20 better / 0 worse,
+    # every task's mean difference is 50, so the task interval is [50, 50]; resampling the two seeds as well gives
+    # seed 0 twice (mean 0) with p 1/4, one of each (50) with p 1/2, seed 1 twice (100) with p 1/4: [0, 100]
+    runs = [_run(tmp_path, "b-s0", {"bc": 0.0}, outcomes={"bc": [0] * 20}),
+            _run(tmp_path, "b-s1", {"bc": 0.0}, outcomes={"bc": [0] * 20}),
+            _run(tmp_path, "a-s0", {"bc": 0.0}, outcomes={"bc": [0] * 20}),
+            _run(tmp_path, "a-s1", {"bc": 1.0}, outcomes={"bc": [1] * 20})]
+    result = compare(runs, "test", tmp_path / "out", baseline="b")
+    assert result.paired_table.splitlines()[2:] == [
+        "| a | bc | 2 | 20 | +50.0 | +0.0 / +100.0 | [+50.0, +50.0] | [+0.0, +100.0] | 20 / 0 | < 0.001 |"]
+    (sentence,) = result.sentences
+    assert sentence == ("- **a** (bc; b at bc): difference vs b: +50.0 points [+50.0, +50.0], p < 0.001 (20 better / 0 "
+                        "worse over 2 seed pair(s) x 20 tasks); the interval over tasks excludes zero, but not the one "
+                        "over seeds and tasks [+0.0, +100.0]: the seeds disagree (per seed +0.0 / +100.0), so the "
+                        "difference may not hold for another training seed; run more seeds.")
+    # both seeds win the same 12 of the 20 tasks: resampling identical seeds changes nothing, so both intervals are
+    # 100 K / 20 with K ~ Binomial(20, 0.6): P(K <= 7) = 2.1% < 2.5% < P(K <= 8), P(K >= 17) = 1.6% < 2.5% <
+    # P(K >= 16): [40, 80]
+    (tmp_path / "c").mkdir()
+    runs[2] = _run(tmp_path / "c", "a-s0", {"bc": 0.6}, outcomes={"bc": [1] * 12 + [0] * 8})
+    runs[3] = _run(tmp_path / "c", "a-s1", {"bc": 0.6}, outcomes={"bc": [1] * 12 + [0] * 8})
+    (sentence,) = compare(runs, "test", tmp_path / "out2", baseline="b").sentences
+    assert sentence.startswith("- **a** (bc; b at bc): difference vs b: +60.0 points [+40.0, +80.0], p < 0.001")
+    assert sentence.endswith("the interval excludes zero, and so does the one over seeds and tasks [+40.0, +80.0].")
 
 
 # -- the newcomer's small things: plain progress lines, readable Phases, recipes in `train --help` ------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agentevo.eval.stats import bootstrap_mean_ci, format_p, paired_difference, sign_test_p
+from agentevo.eval.stats import bootstrap_mean_ci, format_p, paired_difference, seed_task_bootstrap_ci, sign_test_p
 
 
 def test_sign_test_p_matches_the_exact_binomial_by_hand() -> None:
@@ -65,3 +65,23 @@ def test_format_p() -> None:
     assert format_p(1.0) == "p = 1"
     assert format_p(0.25) == "p = 0.25"
     assert format_p(0.0004) == "p < 0.001"
+
+
+def test_seed_and_task_bootstrap_by_hand() -> None:
+    # one seed pair gains everywhere, the other nowhere: every task's mean is 50 (task interval [50, 50]), but a
+    # resample of the two seeds draws the null one twice with p 1/4 (mean 0), once with p 1/2 (50), never with p 1/4
+    # (100): the 2.5% / 97.5% quantiles are 0 and 100
+    split = [[0.0] * 4, [100.0] * 4]
+    assert bootstrap_mean_ci(split) == (50.0, 50.0, 50.0)
+    assert seed_task_bootstrap_ci(split) == (0.0, 100.0)
+    # identical seed pairs: resampling them changes nothing, and the interval is the task interval of one row
+    assert seed_task_bootstrap_ci([[0.0, 100.0], [0.0, 100.0]]) == (0.0, 100.0)
+    # three seeds at 40 / 50 / 60 on every task: the resampled mean stays within [40, 60] and reaches both ends
+    # (each with p 1/27 > 2.5%)
+    assert seed_task_bootstrap_ci([[50.0] * 32, [40.0] * 32, [60.0] * 32]) == (40.0, 60.0)
+    assert seed_task_bootstrap_ci([[1.0, 0.0]]) is None  # one pair: nothing to resample
+    r = paired_difference([[100.0] * 4, [100.0] * 4], [[100.0] * 4, [0.0] * 4])
+    assert r.per_pair == (0.0, 100.0) and (r.seeds_lo, r.seeds_hi) == (0.0, 100.0) and r.seeds_exclude_zero is False
+    assert paired_difference([[100.0, 0.0]], [[0.0, 0.0]]).seeds_exclude_zero is None
+    with pytest.raises(ValueError, match="pairs x tasks"):
+        seed_task_bootstrap_ci([[]])

@@ -37,11 +37,16 @@ BOOT_SEED = 0
 class Point:
     """One evaluation of one run."""
 
-    label: str
+    label: str  # what rows and columns are matched by
     success: float
     reward: float
     env_steps: float | None
     task_hash: str | None = None
+    key: str = ""  # the label the run stored it under (state.json, experience.db), when it differs from `label`
+
+    @property
+    def stored_label(self) -> str:
+        return self.key or self.label
 
     def value(self, metric: str) -> float:
         """The compared number in percent: success rate, or average final reward (ScienceWorld's score) x 100."""
@@ -141,7 +146,16 @@ def load_points(run_dir: Path, split: str) -> list[Point]:
             label, m = key[len("eval/") :], per_split[split]
             points.append(Point(label, float(m["success_rate"]), float(m["avg_reward"]), _env_steps(state, label, m),
                                 m.get("task_hash")))
+    # `agentevo eval` stores CHECKPOINT-<hash of checkpoint and settings> (a cache key, unique per checkpoint); match
+    # such points by the checkpoint's name, so the same checkpoint of several seeds' runs pairs up
+    names = [_STANDALONE.sub("", p.label) for p in points]
+    for p, name in zip(points, names, strict=True):
+        if name != p.label and names.count(name) == 1 and name not in (q.label for q in points):
+            p.key, p.label = p.label, name
     return points
+
+
+_STANDALONE = re.compile(r"-[0-9a-f]{8}$")
 
 
 def _run_env(run_dir: Path) -> str:
@@ -251,8 +265,8 @@ def pair_arms(arm: Group, base: Group, label: str, base_label: str, split: str, 
         ha, hb = a.points[label].task_hash, b.points[base_label].task_hash
         if ha and hb and ha != hb:
             raise _different_tasks(a, b, split, f"task hash {ha} vs {hb}")
-    outcomes = [(task_outcomes(a.dir, label, split, metric), task_outcomes(b.dir, base_label, split, metric))
-                for a, b in pairs]
+    outcomes = [(task_outcomes(a.dir, a.points[label].stored_label, split, metric),
+                 task_outcomes(b.dir, b.points[base_label].stored_label, split, metric)) for a, b in pairs]
     missing = [run.name for (a, b), (oa, ob) in zip(pairs, outcomes, strict=True) for run, o in ((a, oa), (b, ob))
                if o is None]
     if missing:
@@ -302,18 +316,29 @@ def _point_name(p: Paired) -> str:
     return p.label if p.label == p.base_label else f"{p.label} vs {p.base_label}"
 
 
+def _per_seed(r: PairedResult) -> str:
+    return " / ".join(f"{x:+.1f}" for x in r.per_pair)
+
+
+def _seeds_interval(r: PairedResult) -> str:
+    if r.seeds_lo is None or r.seeds_hi is None:
+        return "- (one seed pair)"
+    return f"[{r.seeds_lo + 0.0:+.1f}, {r.seeds_hi + 0.0:+.1f}]"  # + 0.0: no "-0.0"
+
+
 def paired_table(rows: list[Paired]) -> str:
     """Markdown: difference (points), 95% bootstrap interval, better / worse (pair, task) cells and the exact p."""
-    lines = ["| runs | evaluation | seed pairs | tasks | difference | 95% interval | better / worse | p |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| runs | evaluation | seed pairs | tasks | difference | per seed | 95% interval (tasks) | "
+             "95% interval (seeds and tasks) | better / worse | p |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for p in rows:
         r = p.result
         if r is None:
-            lines.append(f"| {p.arm} | {_point_name(p)} | not paired: {p.reason} | | | | | |")
+            lines.append(f"| {p.arm} | {_point_name(p)} | not paired: {p.reason} | | | | | | | |")
             continue
         p_cell = format_p(r.p).replace("p = ", "").replace("p ", "")
-        lines.append(f"| {p.arm} | {_point_name(p)} | {r.n_pairs} | {r.n_tasks} | {r.mean:+.1f} | "
-                     f"[{r.lo:+.1f}, {r.hi:+.1f}] | {r.wins} / {r.losses} | {p_cell} |")
+        lines.append(f"| {p.arm} | {_point_name(p)} | {r.n_pairs} | {r.n_tasks} | {r.mean:+.1f} | {_per_seed(r)} | "
+                     f"[{r.lo:+.1f}, {r.hi:+.1f}] | {_seeds_interval(r)} | {r.wins} / {r.losses} | {p_cell} |")
     return "\n".join(lines)
 
 
@@ -329,8 +354,14 @@ def paired_sentence(p: Paired, base: str) -> str:
         verdict = "the interval includes zero: these runs do not show a difference at this sample size"
     elif r.p >= 0.05:  # a percentile bootstrap over few tasks is too narrow; say so when the exact test disagrees
         verdict = "the interval excludes zero, but the exact test does not rule out chance (p >= 0.05): too few tasks"
+    elif r.seeds_exclude_zero is False:  # the tasks say yes, another training seed might not
+        verdict = (f"the interval over tasks excludes zero, but not the one over seeds and tasks "
+                   f"{_seeds_interval(r)}: the seeds disagree (per seed {_per_seed(r)}), so the "
+                   f"difference may not hold for another training seed; run more seeds")
     else:
         verdict = "the interval excludes zero"
+        if r.seeds_exclude_zero:
+            verdict += f", and so does the one over seeds and tasks {_seeds_interval(r)}"
     return (f"{head}: difference vs {base}: {r.mean:+.1f} points [{r.lo:+.1f}, {r.hi:+.1f}], {format_p(r.p)} "
             f"({r.wins} better / {r.losses} worse over {r.n_pairs} seed pair(s) x {r.n_tasks} tasks); {verdict}.")
 
@@ -433,8 +464,10 @@ def compare(run_dirs: list[Path], split: str, out: Path, metric: str = "success"
                    f"`{baseline_point}`, points): each run paired with itself" if baseline_point is not None else
                    f"`{base.name}` (arm − baseline, points): seeds paired by their -sN index")
         text += (f"Paired differences vs {against}, "
-                 f"tasks by id; 95% interval from a bootstrap over tasks ({n_boot} resamples, RNG seed {BOOT_SEED}, "
-                 f"seed pairs kept); better / worse counts (seed pair, task) cells; p from the two-sided {test}, "
+                 f"tasks by id; 95% interval (tasks) from a bootstrap over tasks ({n_boot} resamples, RNG seed "
+                 f"{BOOT_SEED}, seed pairs kept: these trained policies on more tasks); 95% interval (seeds and "
+                 f"tasks) resampling seed pairs as well (would another training seed agree; needs >= 2 pairs); "
+                 f"better / worse counts (seed pair, task) cells; p from the two-sided {test}, "
                  f"pooled over seed pairs:\n\n{p_table}\n\n" + "\n".join(sentences) + "\n\n")
     text += "![comparison](compare.png)\n"
     path = out / "compare.md"

@@ -1,4 +1,5 @@
-"""Paired comparison statistics: bootstrap over tasks with seed pairs kept, and the exact sign (McNemar) test.
+"""Paired comparison statistics: bootstrap over tasks with seed pairs kept, the same over seeds and tasks, and the
+exact sign (McNemar) test.
 
 Outcomes come as a matrix `diffs[pair][task]`: one row per seed pair (arm seed s vs baseline seed s), one column per
 task of the shared task list, each cell arm outcome minus baseline outcome (in points: success x 100, or final
@@ -26,11 +27,21 @@ class PairedResult:
     wins: int  # (pair, task) cells where the arm did better
     losses: int  # ... and where it did worse
     p: float  # two-sided exact sign test on wins vs losses (McNemar exact for success)
+    per_pair: tuple[float, ...] = ()  # mean difference of each seed pair, in row order
+    seeds_lo: float | None = None  # 95% interval resampling seed pairs as well as tasks; None for one pair
+    seeds_hi: float | None = None
 
     @property
     def excludes_zero(self) -> bool:
         """Whether the interval lies entirely on one side of zero."""
         return self.lo > 0 or self.hi < 0
+
+    @property
+    def seeds_exclude_zero(self) -> bool | None:
+        """Whether the interval over seeds and tasks lies on one side of zero; None with a single seed pair."""
+        if self.seeds_lo is None or self.seeds_hi is None:
+            return None
+        return self.seeds_lo > 0 or self.seeds_hi < 0
 
 
 def sign_test_p(wins: int, losses: int) -> float:
@@ -70,6 +81,34 @@ def bootstrap_mean_ci(diffs: Sequence[Sequence[float]], n_boot: int = 10_000, se
     return mean, float(lo), float(hi)
 
 
+def seed_task_bootstrap_ci(diffs: Sequence[Sequence[float]], n_boot: int = 10_000, seed: int = 0,
+                           level: float = 0.95) -> tuple[float, float] | None:
+    """Percentile interval of the mean of a pairs x tasks difference matrix, resampling seed pairs (rows) and tasks
+    (columns) independently (a two-way bootstrap for a crossed design: every seed pair plays every task).
+
+    The task-only interval of `bootstrap_mean_ci` holds the seeds fixed: it says how sure we are about *these*
+    trained policies on more tasks. This one also asks whether another training seed would agree, so a difference
+    carried by one seed out of two gets a wide interval. None with fewer than two pairs (nothing to resample).
+    """
+    d = np.asarray(diffs, dtype=np.float64)
+    if d.ndim != 2 or d.shape[0] == 0 or d.shape[1] == 0:
+        raise ValueError("diffs must be a non-empty pairs x tasks matrix")
+    n_pairs, n_tasks = d.shape
+    if n_pairs < 2:
+        return None
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(0, n_pairs, size=(n_boot, n_pairs))
+    cols = rng.integers(0, n_tasks, size=(n_boot, n_tasks))
+    # how often each row / column is drawn per resample; the resample's mean is row_counts @ d @ col_counts / (P * T)
+    row_counts, col_counts = np.zeros((n_boot, n_pairs)), np.zeros((n_boot, n_tasks))
+    np.add.at(row_counts, (np.arange(n_boot)[:, None], rows), 1.0)
+    np.add.at(col_counts, (np.arange(n_boot)[:, None], cols), 1.0)
+    boot = ((row_counts @ d) * col_counts).sum(axis=1) / (n_pairs * n_tasks)
+    alpha = (1 - level) / 2
+    lo, hi = np.quantile(boot, [alpha, 1 - alpha])
+    return float(lo), float(hi)
+
+
 def paired_difference(arm: Sequence[Sequence[float]], base: Sequence[Sequence[float]], n_boot: int = 10_000,
                       seed: int = 0) -> PairedResult:
     """Compare pairs x tasks outcome matrices (same shape, rows = seed pairs, columns = the same tasks)."""
@@ -79,7 +118,9 @@ def paired_difference(arm: Sequence[Sequence[float]], base: Sequence[Sequence[fl
     d = a - b
     mean, lo, hi = bootstrap_mean_ci(d, n_boot, seed)
     wins, losses = int((d > 0).sum()), int((d < 0).sum())
-    return PairedResult(mean, lo, hi, d.shape[0], d.shape[1], wins, losses, sign_test_p(wins, losses))
+    seeds = seed_task_bootstrap_ci(d, n_boot, seed)
+    return PairedResult(mean, lo, hi, d.shape[0], d.shape[1], wins, losses, sign_test_p(wins, losses),
+                        tuple(float(x) for x in d.mean(axis=1)), *(seeds or (None, None)))
 
 
 def format_p(p: float) -> str:
