@@ -91,6 +91,11 @@ sg6r sg6r-step-s0 0 --set selfguide.schedule=constant --set selfguide.int_norm=s
 # GRPO without guides, its own BC on the same demos without guide lines (seed 2 only; a seed-0 run was lost with its
 # machine at update 4)
 sg6r sg6r-none-s2 2 --set selfguide.guide=none
+# seed 0 again on the EPYC (2026-12-06; the Xeon's seed-0 folders were lost), all three arms on one machine: lambda = 0
+# trains its own guided BC (the BC the constant arm would train: same config, same seed), the constant arm starts from it
+sg6r sg6r-lam0-s0 0 --set selfguide.schedule=none
+sg6r sg6r-none-s0 0 --set selfguide.guide=none
+sg6r sg6r-const-s0 0 --set selfguide.schedule=constant --set bc.warm_start_from=runs/real/sg6r-lam0-s0
 .venv/bin/python $S/light_errors.py runs/real/sg6r-{const,lam0,step}-s0 runs/real/sg6r-{const,lam0}-s1
 .venv/bin/python $S/verdict_check.py runs/real/sg6r-const-s1
 .venv/bin/python $S/light_errors.py runs/real/sg6r-{const,lam0}-s2; .venv/bin/python $S/verdict_check.py runs/real/sg6r-const-s2
@@ -108,6 +113,19 @@ for s in 0 1 2; do
 done
 sampled step 0 update-3 last; sampled step 0 update-6 all
 for ck in bc update-3 update-6; do sampled none 2 $ck none; done
+# the EPYC's seed 0 (its guided BC is lambda = 0's), then every arm vs GRPO without guides and vs lambda = 0 over the
+# two EPYC seeds: compare pairs standalone evaluations by checkpoint name and prints per-seed differences and an
+# interval over seeds and tasks beside the one over tasks
+sampled lam0 0 bc none; sampled lam0 0 update-3 last; sampled lam0 0 update-6 all
+for ck in bc update-3 update-6; do sampled none 0 $ck none; done
+sampled const 0 update-3 last; sampled const 0 update-6 all
+mkdir -p runs/cmp-sg
+for s in 0 2; do for a in const lam0 none; do for u in 3 6; do
+  ln -sfn ../real/sgT1-$a-s$s-update-$u runs/cmp-sg/$a-u$u-s$s; done; done; done
+for u in 3 6; do
+  .venv/bin/agentevo compare runs/cmp-sg/{none,lam0,const}-u$u-s? --baseline none-u$u --out runs/cmp-sg/vs-none-u$u
+  .venv/bin/agentevo compare runs/cmp-sg/{lam0,const}-u$u-s? --baseline lam0-u$u --out runs/cmp-sg/vs-lam0-u$u
+done
 P=runs/real/sgT1
 for u in 3 6; do
   .venv/bin/python $S/sampled_compare.py --pool $P-const-s0-bc $P-const-s0-update-$u $P-const-s1-bc $P-const-s1-update-$u \
