@@ -198,8 +198,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         print(f"warning: {warning}", file=sys.stderr)
     print(result.table)
     if result.paired_table:
-        print(f"\npaired differences vs {result.baseline} (arm - baseline, points; 95% bootstrap interval over tasks; "
-              f"exact sign-test p; see {result.path.name}):\n{result.paired_table}\n")
+        print(f"\npaired differences vs {result.baseline} (arm - baseline, points; 95% bootstrap intervals over tasks "
+              f"and over seeds and tasks; exact sign-test p; see {result.path.name}):\n{result.paired_table}\n")
         print("\n".join(result.sentences))
     print(result.path)
     return 0

@@ -134,6 +134,9 @@ def _env_steps(state: dict[str, Any], label: str, result: dict[str, Any]) -> flo
     return None
 
 
+_STANDALONE = re.compile(r"-[0-9a-f]{8}$")  # the hash `agentevo eval` appends to a checkpoint's name
+
+
 def load_points(run_dir: Path, split: str) -> list[Point]:
     """The run's evaluation points on the split, in the order they ran."""
     path = run_dir / "state.json"
@@ -153,9 +156,6 @@ def load_points(run_dir: Path, split: str) -> list[Point]:
         if name != p.label and names.count(name) == 1 and name not in (q.label for q in points):
             p.key, p.label = p.label, name
     return points
-
-
-_STANDALONE = re.compile(r"-[0-9a-f]{8}$")
 
 
 def _run_env(run_dir: Path) -> str:

@@ -59,6 +59,13 @@ def sign_test_p(wins: int, losses: int) -> float:
     return min(1.0, 2 * tail / 2**n)
 
 
+def _diff_matrix(diffs: Sequence[Sequence[float]]) -> np.ndarray:
+    d = np.asarray(diffs, dtype=np.float64)
+    if d.ndim != 2 or d.shape[0] == 0 or d.shape[1] == 0:
+        raise ValueError("diffs must be a non-empty pairs x tasks matrix")
+    return d
+
+
 def bootstrap_mean_ci(diffs: Sequence[Sequence[float]], n_boot: int = 10_000, seed: int = 0,
                       level: float = 0.95) -> tuple[float, float, float]:
     """Mean of a pairs x tasks difference matrix and its percentile bootstrap interval, resampling tasks.
@@ -66,9 +73,7 @@ def bootstrap_mean_ci(diffs: Sequence[Sequence[float]], n_boot: int = 10_000, se
     The same resampled tasks are used for every seed pair, so a task's pairing across seeds is kept; the fixed RNG
     seed makes the interval reproducible.
     """
-    d = np.asarray(diffs, dtype=np.float64)
-    if d.ndim != 2 or d.shape[0] == 0 or d.shape[1] == 0:
-        raise ValueError("diffs must be a non-empty pairs x tasks matrix")
+    d = _diff_matrix(diffs)
     per_task = d.mean(axis=0)  # every pair covers every task, so the mean over tasks of these is the grand mean
     mean = float(per_task.mean())
     if np.all(per_task == per_task[0]):
@@ -90,9 +95,7 @@ def seed_task_bootstrap_ci(diffs: Sequence[Sequence[float]], n_boot: int = 10_00
     trained policies on more tasks. This one also asks whether another training seed would agree, so a difference
     carried by one seed out of two gets a wide interval. None with fewer than two pairs (nothing to resample).
     """
-    d = np.asarray(diffs, dtype=np.float64)
-    if d.ndim != 2 or d.shape[0] == 0 or d.shape[1] == 0:
-        raise ValueError("diffs must be a non-empty pairs x tasks matrix")
+    d = _diff_matrix(diffs)
     n_pairs, n_tasks = d.shape
     if n_pairs < 2:
         return None

@@ -40,12 +40,13 @@ echo "== $(date +%T) device_study: seeds ${SEEDS[*]}, budget ${BUDGET}s, $PAR at
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 $PY -c "import torch; print('torch', torch.__version__, '| cuda', torch.cuda.is_available())"
 
+AE=("$PY" -c "from agentevo.cli import entry; entry()")  # the agentevo CLI (no console script there)
 left() { echo $((BUDGET - ($(date +%s) - START))); }
 job() {  # NAME ARGS...: one agentevo train, bounded by what is left of the budget; status.tsv gets its exit status
   local name=$1 t0; shift; t0=$(date +%s)
   local budget; budget=$(left)
   if [ "$budget" -le 10 ]; then printf '%s\tskipped\t0\n' "$name" >> "$OUT/status.tsv"; return; fi
-  OMP_NUM_THREADS=1 timeout "$budget" $PY -c "from agentevo.cli import entry; entry()" train "$@" "${COMMON[@]}" \
+  OMP_NUM_THREADS=1 timeout "$budget" "${AE[@]}" train "$@" "${COMMON[@]}" \
     --name "$name" > "$OUT/logs/$name.log" 2>&1
   local rc=$?
   printf '%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - t0 ))" >> "$OUT/status.tsv"
@@ -87,11 +88,11 @@ finished() { for n in "$@"; do ok "$n" && echo "$R/$n"; done; }
 arms=(qe eto qlass qe-wo-rr qe-wo-wiql qe-wo-gae qe-wo-pi qe-wo-pi-awr)
 mapfile -t all < <(for a in "${arms[@]}"; do finished $(for s in "${SEEDS[@]}"; do echo "$a-s$s"; done); done)
 if [ ${#all[@]} -gt 0 ]; then
-  $PY -c "from agentevo.cli import entry; entry()" compare "${all[@]}" --baseline-point bc --split test \
+  "${AE[@]}" compare "${all[@]}" --baseline-point bc --split test \
     --out "$OUT/compare/vs-bc" 2>&1 | tail -30
   mapfile -t qe < <(for a in qe qe-wo-rr qe-wo-wiql qe-wo-gae qe-wo-pi qe-wo-pi-awr; do
     finished $(for s in "${SEEDS[@]}"; do echo "$a-s$s"; done); done)
-  [ ${#qe[@]} -gt 1 ] && $PY -c "from agentevo.cli import entry; entry()" compare "${qe[@]}" --baseline qe --split test \
+  [ ${#qe[@]} -gt 1 ] && "${AE[@]}" compare "${qe[@]}" --baseline qe --split test \
     --out "$OUT/compare/ablations-vs-qe" 2>&1 | tail -30
 fi
 echo "== $(date +%T) done ($(( $(date +%s) - START ))s)"
