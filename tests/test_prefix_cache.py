@@ -275,3 +275,22 @@ def test_slots_match_generate_with_grouped_query_attention(tiny_policy: Transfor
         assert [g.token_ids for g in got] == [w.token_ids for w in plain.generate(prompts, greedy)]
         prompts = [p + g.token_ids + p[:2] for p, g in zip(prompts, got, strict=True)]
     assert cached.kv_cache.keys[0].shape[1] == 2 and cached.kv_cache.hits > 0
+
+
+@pytest.mark.parametrize("repeats", [1, 6])
+def test_sampled_replies_do_not_depend_on_which_rows_the_prompts_land_in(tiny_policy: TransformersPolicy,
+                                                                         repeats: int) -> None:
+    """A seeded call gives each prompt the same sample whatever cache rows the prompts continue in (drawn in
+    prompt order, not row order: a rerun, or a resumed run with a cold cache, samples the same replies)."""
+    fresh, _ = _slots(tiny_policy)
+    used = TransformersPolicy(fresh.model, tiny_policy.tokenizer, "u", batch_size=8, prefix_cache=16)
+    base = tiny_policy.tokenizer.encode("Make the bell ring. There is a button here. " * repeats,
+                                        add_special_tokens=False)
+    prompts = [base + [t] for t in (11, 12, 13, 14)]
+    used.generate(prompts[::-1], Sampling(temperature=0.0, max_new_tokens=3))  # rows 0-3 hold them in reverse
+    sampling = Sampling(temperature=1.0, max_new_tokens=6, seed=7)
+    want = [g.token_ids for g in fresh.generate(prompts, sampling)]
+    got = [g.token_ids for g in used.generate(prompts, sampling)]
+    rows = [next(r for r, t in enumerate(used.kv_cache.tokens) if t.tolist()[: len(p)] == p) for p in prompts]
+    assert rows == [3, 2, 1, 0]  # each prompt continued in its earlier row, so row order is reversed
+    assert got == want

@@ -644,6 +644,17 @@ def generate_slots(
     limits = torch.where(write == scratch, 0, write)
     logits = forward(ids.to(device), write.to(device), limits.to(device), limits.to(device))
 
+    # random draws in prompt order, so a prompt's sample does not depend on which cache row it landed in
+    batch_rows = torch.tensor([r - lo for r in rows], device=device)
+    in_prompt_order = span == n and rows == list(range(lo, hi))
+
+    def pick(logits: torch.Tensor) -> torch.Tensor:
+        if in_prompt_order or temperature <= 0.0:
+            return _pick(logits, temperature, top_p, top_k)
+        tokens = torch.zeros(span, dtype=torch.long, device=device)  # rows of no prompt feed token 0 (masked)
+        tokens[batch_rows] = _pick(logits[batch_rows], temperature, top_p, top_k)
+        return tokens
+
     stops = torch.tensor(stop_ids, device=device)
     end = torch.zeros(span, dtype=torch.long)  # next column (= position) of each live row
     for b, i in enumerate(owner):
@@ -655,7 +666,7 @@ def generate_slots(
     logprobs: list[list[float]] = [[] for _ in range(n)]
     left = sum(i is not None for i in owner)
     for step in range(max_new_tokens):
-        tokens = _pick(logits, temperature, top_p, top_k)
+        tokens = pick(logits)
         token_logp = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         finished = torch.isin(tokens, stops) | (step + 1 >= max_new_tokens)
         # one device-to-host transfer per step (float64 holds token ids and float32 log-probs exactly)
