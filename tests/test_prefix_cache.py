@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from agentevo.errors import ConfigError
+from agentevo.models import prefix_cache as pc
 from agentevo.models.backend import Sampling, TransformersPolicy
 from agentevo.models.prefix_cache import PrefixKVCache, SlotKVCache, _pick, supports_prefix_cache
 
@@ -277,7 +278,76 @@ def test_slots_match_generate_with_grouped_query_attention(tiny_policy: Transfor
     assert cached.kv_cache.keys[0].shape[1] == 2 and cached.kv_cache.hits > 0
 
 
-@pytest.mark.parametrize("repeats", [1, 6])
+@pytest.mark.parametrize("kv_heads", [4, 2])
+@pytest.mark.parametrize("additive", [False, True])
+def test_shared_prefix_attention_equals_attention_over_each_row(kv_heads: int, additive: bool) -> None:
+    """Reading the shared columns once (one matrix product for all rows) gives sdpa's result on the full rows."""
+    torch.manual_seed(0)
+    rows, q_heads, dim, width, cols = 5, 4, 8, 30, 12
+    query = torch.randn(rows, q_heads, 1, dim)
+    key, value = torch.randn(rows, kv_heads, width, dim), torch.randn(rows, kv_heads, width, dim)
+    key[:, :, :cols], value[:, :, :cols] = key[2, :, :cols], value[2, :, :cols]  # one copy of the prefix per row
+    visible = torch.arange(width).view(1, 1, 1, -1) <= torch.tensor([29, 20, 12, 0, 25]).view(-1, 1, 1, 1)
+    mask = torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min) if additive else visible
+    token = pc._cascade_state.set((2, cols, "sdpa"))
+    try:
+        got, _ = pc.shared_prefix_attention(None, query, key, value, mask, scaling=dim ** -0.5)
+    finally:
+        pc._cascade_state.reset(token)
+    group = q_heads // kv_heads
+    want = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(group, 1), value.repeat_interleave(group, 1), attn_mask=visible)
+    assert got.shape == (rows, 1, q_heads, dim)
+    torch.testing.assert_close(got, want.transpose(1, 2), rtol=1e-5, atol=1e-6)
+    # row 3 sees column 0 only: its output is that column's value, for each query head's kv head
+    torch.testing.assert_close(got[3, 0], value[3, :, 0].repeat_interleave(group, 0))
+
+
+def test_rows_whose_prefix_bits_differ_share_nothing(tiny_policy: TransformersPolicy) -> None:
+    cached, _ = _slots(tiny_policy)
+    cache = cached.kv_cache
+    prompts = [torch.arange(3, 3 + pc.CASCADE_MIN + 10)] * 3
+    cache.reserve(3, 100, torch.empty(0), 2, 2, 4)
+    for k in cache.keys + cache.values:
+        k[:, :, :100] = torch.randn(2, 100, 4)  # the same random prefix in every row
+    assert pc._shared_columns(cache, [0, 1, 2], prompts) == pc.CASCADE_MIN + 10
+    assert pc._shared_columns(cache, [0, 1], [prompts[0], prompts[1][:-20]]) == 0  # below CASCADE_MIN
+    cache.values[1][2, 0, 5, 0] += 1e-6  # one element of one row differs
+    assert pc._shared_columns(cache, [0, 1, 2], prompts) == 0
+    assert pc._shared_columns(cache, [0, 1], prompts) == pc.CASCADE_MIN + 10
+
+
+@pytest.mark.parametrize("attn,kv_heads", [("sdpa", None), ("eager", None), ("sdpa", 2)])
+def test_decode_reads_a_shared_instruction_once_and_replies_as_generate(
+        tiny_policy: TransformersPolicy, attn: str, kv_heads: int | None) -> None:
+    from transformers import LlamaForCausalLM
+
+    config = copy.deepcopy(tiny_policy.model.config)
+    config._attn_implementation = attn
+    if kv_heads:
+        config.num_attention_heads, config.num_key_value_heads = 4, kv_heads
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    tok = tiny_policy.tokenizer
+    shared = tok.encode("Your task is to cook a meal. Check the cookbook in the kitchen. " * 6, add_special_tokens=False)
+    assert len(shared) >= pc.CASCADE_MIN
+    prompts = [shared + tok.encode(t, add_special_tokens=False)
+               for t in ["take knife", "open fridge now", "You are in the kitchen.", "go north"]]
+    greedy = Sampling(temperature=0.0, max_new_tokens=6)
+    on = TransformersPolicy(model, tok, "on", batch_size=8, prefix_cache=8, shared_prefix_attention=True)
+    off = TransformersPolicy(model, tok, "off", batch_size=8, prefix_cache=8, shared_prefix_attention=False)
+    plain = TransformersPolicy(model, tok, "g", batch_size=8, prefix_cache=0)
+    for _ in range(2):  # fresh episodes forked from one prefill, then each continuing in its row
+        got, ref, want = on.generate(prompts, greedy), off.generate(prompts, greedy), plain.generate(prompts, greedy)
+        assert [g.token_ids for g in got] == [w.token_ids for w in want] == [r.token_ids for r in ref]
+        for g, r in zip(got, ref, strict=True):
+            assert g.logprobs == pytest.approx(r.logprobs, abs=1e-5)
+        prompts = [p + g.token_ids + shared[:3] for p, g in zip(prompts, got, strict=True)]
+    assert on.kv_cache.shared_steps >= 2 * 5 and off.kv_cache.shared_steps == 0
+    assert model.config._attn_implementation == attn  # restored after decoding
+
+
+@pytest.mark.parametrize("repeats", [1, 6])  # 6: a prefix long enough for shared-prefix attention
 def test_sampled_replies_do_not_depend_on_which_rows_the_prompts_land_in(tiny_policy: TransformersPolicy,
                                                                          repeats: int) -> None:
     """A seeded call gives each prompt the same sample whatever cache rows the prompts continue in (drawn in
@@ -294,3 +364,4 @@ def test_sampled_replies_do_not_depend_on_which_rows_the_prompts_land_in(tiny_po
     rows = [next(r for r, t in enumerate(used.kv_cache.tokens) if t.tolist()[: len(p)] == p) for p in prompts]
     assert rows == [3, 2, 1, 0]  # each prompt continued in its earlier row, so row order is reversed
     assert got == want
+    assert (used.kv_cache.shared_steps > 0) == (len(base) >= pc.CASCADE_MIN)

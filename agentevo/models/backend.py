@@ -129,15 +129,17 @@ class TransformersPolicy:
 
     def __init__(
         self, model: Any, tokenizer: Any, policy_id: str = "init", batch_size: int = 16, prefix_cache: int = 64,
-        prefix_cache_gb: float = 4.0, kv_engine: str = "slots",
+        prefix_cache_gb: float = 4.0, kv_engine: str = "slots", shared_prefix_attention: bool | None = None,
     ) -> None:
         """prefix_cache: sequences whose keys/values are kept for reuse across turns (0 = off, plain generate),
         in at most prefix_cache_gb GiB. kv_engine 'slots': persistent per-sequence KV rows extended in place
         (sdpa/eager attention); 'prefix': the earlier path that rebuilds a padded cache per call (kept for the
-        bench); a model the slot path cannot run uses 'prefix'."""
+        bench); a model the slot path cannot run uses 'prefix'. shared_prefix_attention (slots): decode attention
+        reads the prefix all rows of a call share once per step, not once per row (None: on the CPU only)."""
         if kv_engine not in ("slots", "prefix"):
             raise ConfigError(f"kv_engine must be 'slots' or 'prefix' (got {kv_engine!r})")
         self.kv_engine = kv_engine
+        self.shared_prefix_attention = shared_prefix_attention
         self.model = model
         self.tokenizer = tokenizer
         self.renderer = ChatRenderer(tokenizer)
@@ -186,12 +188,13 @@ class TransformersPolicy:
 
     def _generate_cached(self, prompts: list[list[int]], sampling: Sampling) -> list[Generation]:
         assert self.kv_cache is not None
-        run = generate_slots if isinstance(self.kv_cache, SlotKVCache) else generate_cached
-        replies = run(
-            self.model, self.kv_cache, prompts, sampling.max_new_tokens,  # type: ignore[arg-type]
-            0.0 if sampling.greedy else sampling.temperature, sampling.top_p, sampling.top_k, self.renderer.stop_ids,
-            self.pad_id,
-        )
+        args = (self.model, self.kv_cache, prompts, sampling.max_new_tokens,
+                0.0 if sampling.greedy else sampling.temperature, sampling.top_p, sampling.top_k,
+                self.renderer.stop_ids, self.pad_id)
+        if isinstance(self.kv_cache, SlotKVCache):
+            replies = generate_slots(*args, shared_prefix=self.shared_prefix_attention)  # type: ignore[arg-type]
+        else:
+            replies = generate_cached(*args)  # type: ignore[arg-type]
         return [Generation(ids, logps, self.renderer.decode(ids)) for ids, logps in replies]
 
     def _generate_batch(self, prompts: list[list[int]], sampling: Sampling) -> list[Generation]:

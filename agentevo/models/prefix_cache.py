@@ -15,13 +15,17 @@ Only models whose every layer is full attention are supported; others use transf
 
 Two engines: `generate_slots` (SlotKVCache, the default) keeps each sequence in a persistent row and extends it in
 place; `generate_cached` (PrefixKVCache) rebuilds a padded cache per call and is kept for models whose attention
-takes no prepared 4-D mask, and for bench/bench_generate.py.
+takes no prepared 4-D mask, and for bench/bench_generate.py. On the CPU the slot engine's decode steps read the
+prefix every row of a call shares (an instruction) once per step, not once per row (`shared_prefix_attention`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +35,11 @@ try:  # transformers >= 4.56 composes caches from per-layer objects; older versi
     from transformers.cache_utils import Cache, DynamicLayer
 except ImportError:  # pragma: no cover - depends on the installed transformers
     Cache, DynamicLayer = None, object
+try:
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+except ImportError:  # pragma: no cover - depends on the installed transformers
+    AttentionInterface = ALL_ATTENTION_FUNCTIONS = None
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values shaped [heads, length, head_dim]
 
@@ -405,6 +414,7 @@ class SlotKVCache:
         self.hits = 0  # prompt tokens served from the cache
         self.misses = 0  # prompt tokens run through the model
         self.copied = 0  # token positions copied between rows (forks, packing)
+        self.shared_steps = 0  # decode steps that read the rows' shared prefix once (shared_prefix_attention)
         self._fingerprint = _weights_fingerprint(model)
         # set by the driver for each forward
         self.lo = self.hi = self.width = 0
@@ -577,6 +587,93 @@ def _mask(limits: torch.Tensor, width: int, q: int, float_mask: bool, dtype: tor
     return torch.zeros(visible.shape, dtype=dtype, device=limits.device).masked_fill_(~visible, torch.finfo(dtype).min)
 
 
+CASCADE_MIN = 64  # shared columns below which decode attention reads every row's own copy
+_CASCADE_NAME = "agentevo_shared_prefix"
+# (row of the batch whose first `columns` keys/values every row shares, columns, the model's own implementation)
+_cascade_state: contextvars.ContextVar[tuple[int, int, str] | None] = contextvars.ContextVar(
+    "agentevo_shared_prefix", default=None)
+
+
+def shared_prefix_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                            **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Decode attention that reads the columns all rows share (the instruction every episode starts with) once
+    for the whole batch, as one matrix product, instead of once per row ("cascade" attention); the rest of each
+    row as usual. Scores of both parts go through one softmax, so the result is attention over the full row.
+    Falls back to the model's own implementation for prefill (more than one query) or without a shared prefix."""
+    state = _cascade_state.get()
+    if state is None or query.shape[2] != 1 or not 0 < state[1] < key.shape[2]:
+        own = state[2] if state else "sdpa"
+        fallback = ALL_ATTENTION_FUNCTIONS[own] if own != "eager" else _eager_attention(module)
+        return fallback(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    ref, cols, _ = state
+    rows, q_heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    group = q_heads // kv_heads
+    q = query.reshape(rows, kv_heads, group, dim)
+    q_shared = q.permute(1, 0, 2, 3).reshape(kv_heads, rows * group, dim)  # every row's queries against one copy
+    shared = torch.bmm(q_shared, key[ref, :, :cols].transpose(1, 2))
+    shared = shared.view(kv_heads, rows, group, cols).permute(1, 0, 2, 3)
+    own_part = torch.matmul(q, key[:, :, cols:].transpose(-1, -2))
+    scores = torch.cat([shared, own_part], dim=-1).float().mul_(scaling if scaling is not None else dim ** -0.5)
+    if attention_mask is not None:  # [rows, 1, 1, width]: additive (the driver's), or bool (True = visible)
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill_(~attention_mask, float("-inf"))
+        else:
+            scores = scores.add_(attention_mask)
+    probs = scores.softmax(dim=-1).to(value.dtype)
+    p_shared = probs[..., :cols].permute(1, 0, 2, 3).reshape(kv_heads, rows * group, cols)
+    out = torch.bmm(p_shared, value[ref, :, :cols]).view(kv_heads, rows, group, dim).permute(1, 0, 2, 3)
+    out = out + torch.matmul(probs[..., cols:], value[:, :, cols:])
+    return out.reshape(rows, q_heads, 1, dim).transpose(1, 2).contiguous(), None
+
+
+def _eager_attention(module: Any) -> Any:
+    """The eager attention function of the module's modeling file (each architecture defines its own)."""
+    return inspect.getmodule(type(module)).eager_attention_forward  # type: ignore[union-attr]
+
+
+if AttentionInterface is not None:
+    AttentionInterface.register(_CASCADE_NAME, shared_prefix_attention)
+
+
+@contextlib.contextmanager
+def _shared_prefix(model: Any, ref: int, cols: int) -> Iterator[None]:
+    """Route the model's attention through shared_prefix_attention for the forwards inside (restored after)."""
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    own = config._attn_implementation
+    token = _cascade_state.set((ref, cols, own))
+    config._attn_implementation_internal = _CASCADE_NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation_internal = own
+        _cascade_state.reset(token)
+
+
+def _shared_columns(cache: SlotKVCache, rows: list[int], prompts: list[torch.Tensor]) -> int:
+    """Leading columns whose keys/values are bit-identical in every row of the call (0 below CASCADE_MIN): the
+    common token prefix of the prompts when the rows hold one copy of it (forked from one prefill), else 0."""
+    if len(rows) < 2:
+        return 0
+    cols = len(prompts[0])
+    for p in prompts[1:]:
+        cols = min(cols, _common_prefix(prompts[0], p), len(p))
+    if cols < CASCADE_MIN:
+        return 0
+    ref = rows[0]
+    for k, v in zip(cache.keys, cache.values, strict=True):
+        for r in rows[1:]:
+            if not (torch.equal(k[r, :, :cols], k[ref, :, :cols]) and torch.equal(v[r, :, :cols], v[ref, :, :cols])):
+                return 0
+    return cols
+
+
+def cascade_default(device: torch.device) -> bool:
+    """Shared-prefix attention where it was measured to pay: the CPU (bench/bench_generate.py)."""
+    return device.type == "cpu" and AttentionInterface is not None
+
+
 @torch.no_grad()
 def generate_slots(
     model: Any,
@@ -588,8 +685,10 @@ def generate_slots(
     top_k: int,
     stop_ids: list[int],
     pad_id: int,
+    shared_prefix: bool | None = None,
 ) -> list[tuple[list[int], list[float]]]:
-    """(token ids, raw log-probs) per prompt, each prompt continuing in the cache row that holds its history."""
+    """(token ids, raw log-probs) per prompt, each prompt continuing in the cache row that holds its history.
+    shared_prefix: decode attention reads the columns all rows share once per step (None: on the CPU only)."""
     cache.check_weights()
     cache.calls += 1
     device = next(model.parameters()).device
@@ -612,6 +711,7 @@ def generate_slots(
     span = hi - lo
     scratch = cache.columns - 1
     float_mask = getattr(model.config, "_attn_implementation", "sdpa") == "eager"
+    cols = 0  # columns every row shares, read once per decode step (set after the prefill)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     params = inspect.signature(base.forward).parameters
     cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -624,7 +724,7 @@ def generate_slots(
         cache.width = int(limits.max()) + 1
         cache.write_index = (torch.arange(write.shape[0], device=device).view(-1, 1, 1), heads_index,
                              write.view(write.shape[0], 1, -1))
-        mask = _mask(limits, cache.width, ids.shape[1], float_mask, dtype)
+        mask = _mask(limits, cache.width, ids.shape[1], float_mask or bool(cols), dtype)
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                     **{cache_kw: cache_obj}, **extra)
         return out.logits[:, -1, :].float()
@@ -643,6 +743,14 @@ def generate_slots(
         owner[b] = i
     limits = torch.where(write == scratch, 0, write)
     logits = forward(ids.to(device), write.to(device), limits.to(device), limits.to(device))
+
+    if shared_prefix is None:
+        shared_prefix = cascade_default(device)
+    cols = _shared_columns(cache, rows, prompt_t) if shared_prefix else 0
+    ref = rows[0] - lo
+
+    def decode_attention() -> contextlib.AbstractContextManager[None]:
+        return _shared_prefix(model, ref, cols) if cols else contextlib.nullcontext()
 
     # random draws in prompt order, so a prompt's sample does not depend on which cache row it landed in
     batch_rows = torch.tensor([r - lo for r in rows], device=device)
@@ -687,7 +795,9 @@ def generate_slots(
         live = live & ~finished  # a finished row is retired by masking: scratch writes, column 0 only
         write = torch.where(live, end, scratch)
         limits = torch.where(live, end, 0)
-        logits = forward(tokens.unsqueeze(-1), write, limits, limits.unsqueeze(-1))
+        with decode_attention():
+            logits = forward(tokens.unsqueeze(-1), write, limits, limits.unsqueeze(-1))
+        cache.shared_steps += bool(cols)
         end = end + 1
     return list(zip(generated, logprobs, strict=True))
 
