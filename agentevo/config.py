@@ -168,6 +168,10 @@ class RolloutConfig:
     prefix_cache: int = _help("finished sequences whose keys/values the transformers backend keeps so the next turn "
                               "of an episode only runs its new tokens (0 = off)", 64, ge=0)
     prefix_cache_gb: float = _help("memory bound of those keys/values (GiB)", 4.0, gt=0)
+    shared_prefix_attention: bool | None = _help("decode attention reads the prefix every episode of a generation "
+                                                 "call shares (the instruction) once per step instead of once per "
+                                                 "episode (null = on the CPU, where it was measured; off on a GPU)",
+                                                 None)
     workers: str = _help("environment workers: 'thread', 'process' or 'ray' (Ray actors; RAY_ADDRESS names the "
                          "cluster, else a local Ray is started)", "thread")
     temperature: float = _help("sampling temperature for collection (evaluation: eval.temperature)", 0.7, ge=0)

@@ -358,7 +358,7 @@ class Run:
         model, tokenizer = load_pretrained(path)
         return TransformersPolicy(
             model, tokenizer, policy_id or path.name, self.cfg.rollout.batch_size, self.cfg.rollout.prefix_cache,
-            self.cfg.rollout.prefix_cache_gb,
+            self.cfg.rollout.prefix_cache_gb, shared_prefix_attention=self.cfg.rollout.shared_prefix_attention,
         )
 
     def rollout_policy(self, name_or_path: str | Path, policy_id: str | None = None) -> Any:

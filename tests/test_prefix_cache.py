@@ -365,3 +365,17 @@ def test_sampled_replies_do_not_depend_on_which_rows_the_prompts_land_in(tiny_po
     assert rows == [3, 2, 1, 0]  # each prompt continued in its earlier row, so row order is reversed
     assert got == want
     assert (used.kv_cache.shared_steps > 0) == (len(base) >= pc.CASCADE_MIN)
+
+
+def test_rollout_config_switches_shared_prefix_attention() -> None:
+    from agentevo.config import load_config
+    from agentevo.models.policy import initial_policy
+
+    corpus = ["Your task is to cook a meal.", "Action: take knife"]
+    tiny = ["model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
+            "model.tiny.intermediate_size=64"]
+    assert initial_policy(load_config(None, tiny), corpus).shared_prefix_attention is None  # auto: the CPU
+    off = initial_policy(load_config(None, [*tiny, "rollout.shared_prefix_attention=false"]), corpus)
+    assert off.shared_prefix_attention is False
+    with pytest.raises(ConfigError, match="rollout.shared_prefix_attention must be true or false"):
+        load_config(None, ["rollout.shared_prefix_attention=cpu"])

@@ -38,7 +38,7 @@ def initial_policy(cfg: RunConfig, corpus: list[str]) -> TransformersPolicy:
         use_chat_template(tokenizer, cfg.model.chat_template)
     model.eval()
     return TransformersPolicy(model, tokenizer, "init", cfg.rollout.batch_size, cfg.rollout.prefix_cache,
-                              cfg.rollout.prefix_cache_gb)
+                              cfg.rollout.prefix_cache_gb, shared_prefix_attention=cfg.rollout.shared_prefix_attention)
 
 
 def with_lora(policy: TransformersPolicy, cfg: RunConfig) -> Any:
