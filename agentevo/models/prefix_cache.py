@@ -65,6 +65,11 @@ def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
     return n if bool(same.all()) else int((~same).int().argmax())
 
 
+def _shared_tokens(prompts: list[torch.Tensor]) -> int:
+    """Length of the longest prefix all prompts share."""
+    return min((_common_prefix(prompts[0], p) for p in prompts[1:]), default=len(prompts[0]))
+
+
 @dataclass
 class _Entry:
     tokens: torch.Tensor  # 1-D token ids whose keys/values are in kv
@@ -239,9 +244,7 @@ def _prefill_shared_prefix(model: Any, cache: PrefixKVCache, prompts: list[torch
     does not compute it once per row."""
     if len(prompts) < 2:
         return
-    shared = len(prompts[0]) - 1
-    for p in prompts[1:]:
-        shared = min(shared, _common_prefix(prompts[0], p), len(p) - 1)
+    shared = min(_shared_tokens(prompts), min(len(p) for p in prompts) - 1)  # each prompt keeps one token to run
     cached, _ = cache.lookup(prompts[0][:shared]) if shared > 0 else (0, None)
     if shared - cached < SHARED_PREFIX_MIN:
         return
@@ -656,9 +659,7 @@ def _shared_columns(cache: SlotKVCache, rows: list[int], prompts: list[torch.Ten
     common token prefix of the prompts when the rows hold one copy of it (forked from one prefill), else 0."""
     if len(rows) < 2:
         return 0
-    cols = len(prompts[0])
-    for p in prompts[1:]:
-        cols = min(cols, _common_prefix(prompts[0], p), len(p))
+    cols = _shared_tokens(prompts)
     if cols < CASCADE_MIN:
         return 0
     ref = rows[0]
@@ -747,10 +748,8 @@ def generate_slots(
     if shared_prefix is None:
         shared_prefix = cascade_default(device)
     cols = _shared_columns(cache, rows, prompt_t) if shared_prefix else 0
-    ref = rows[0] - lo
-
-    def decode_attention() -> contextlib.AbstractContextManager[None]:
-        return _shared_prefix(model, ref, cols) if cols else contextlib.nullcontext()
+    # every forward from here on decodes one token per row
+    decode_attention = _shared_prefix(model, rows[0] - lo, cols) if cols else contextlib.nullcontext()
 
     # random draws in prompt order, so a prompt's sample does not depend on which cache row it landed in
     batch_rows = torch.tensor([r - lo for r in rows], device=device)
@@ -773,32 +772,32 @@ def generate_slots(
     generated: list[list[int]] = [[] for _ in range(n)]
     logprobs: list[list[float]] = [[] for _ in range(n)]
     left = sum(i is not None for i in owner)
-    for step in range(max_new_tokens):
-        tokens = pick(logits)
-        token_logp = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-        finished = torch.isin(tokens, stops) | (step + 1 >= max_new_tokens)
-        # one device-to-host transfer per step (float64 holds token ids and float32 log-probs exactly)
-        token_list, logp_list, finished_list = torch.stack(
-            [tokens.double(), token_logp.double(), finished.double()]).tolist()
-        for b, i in enumerate(owner):
-            if i is None:
-                continue
-            generated[i].append(int(token_list[b]))
-            logprobs[i].append(logp_list[b])
-            if finished_list[b]:
-                # the row's columns hold the prompt and the generated tokens but the last (it was never fed in)
-                cache.tokens[rows[i]] = torch.cat([prompt_t[i], torch.tensor(generated[i][:-1], dtype=torch.long)])
-                owner[b] = None
-                left -= 1
-        if left == 0:
-            break
-        live = live & ~finished  # a finished row is retired by masking: scratch writes, column 0 only
-        write = torch.where(live, end, scratch)
-        limits = torch.where(live, end, 0)
-        with decode_attention():
+    with decode_attention:
+        for step in range(max_new_tokens):
+            tokens = pick(logits)
+            token_logp = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+            finished = torch.isin(tokens, stops) | (step + 1 >= max_new_tokens)
+            # one device-to-host transfer per step (float64 holds token ids and float32 log-probs exactly)
+            token_list, logp_list, finished_list = torch.stack(
+                [tokens.double(), token_logp.double(), finished.double()]).tolist()
+            for b, i in enumerate(owner):
+                if i is None:
+                    continue
+                generated[i].append(int(token_list[b]))
+                logprobs[i].append(logp_list[b])
+                if finished_list[b]:
+                    # the row's columns hold the prompt and the generated tokens but the last (it was never fed in)
+                    cache.tokens[rows[i]] = torch.cat([prompt_t[i], torch.tensor(generated[i][:-1], dtype=torch.long)])
+                    owner[b] = None
+                    left -= 1
+            if left == 0:
+                break
+            live = live & ~finished  # a finished row is retired by masking: scratch writes, column 0 only
+            write = torch.where(live, end, scratch)
+            limits = torch.where(live, end, 0)
             logits = forward(tokens.unsqueeze(-1), write, limits, limits.unsqueeze(-1))
-        cache.shared_steps += bool(cols)
-        end = end + 1
+            cache.shared_steps += bool(cols)
+            end = end + 1
     return list(zip(generated, logprobs, strict=True))
 
 
@@ -809,9 +808,7 @@ def _prefill_shared_rows(model: Any, cache: SlotKVCache, prompts: list[torch.Ten
     forks it instead of computing it once per row."""
     if len(prompts) < 2:
         return
-    shared = len(prompts[0]) - 1
-    for p in prompts[1:]:
-        shared = min(shared, _common_prefix(prompts[0], p), len(p) - 1)
+    shared = min(_shared_tokens(prompts), min(len(p) for p in prompts) - 1)  # each prompt keeps one token to run
     found = cache.lookup(prompts[0][:shared]) if shared > 0 else []
     if shared - (found[0][0] if found else 0) < SHARED_PREFIX_MIN:
         return
