@@ -137,6 +137,17 @@ for u in 3 6; do
   .venv/bin/agentevo compare runs/cmp-sg/{none,lam0,const}-u$u-s? --baseline none-u$u --out runs/cmp-sg/vs-none-u$u
 done
 .venv/bin/python $S/verdict_check.py runs/real/sg6r-lam0-s1
+# seed 3 on the EPYC (2026-12-06): the same two arms and evaluations, then every arm vs GRPO without guides over the
+# four EPYC seeds
+sg6r sg6r-lam0-s3 3 --set selfguide.schedule=none --quiet
+sg6r sg6r-none-s3 3 --set selfguide.guide=none --quiet
+sampled lam0 3 bc none; sampled lam0 3 update-3 last; sampled lam0 3 update-6 all
+for ck in bc update-3 update-6; do sampled none 3 $ck none; done
+for a in lam0 none; do for u in 3 6; do ln -sfn ../real/sgT1-$a-s3-update-$u runs/cmp-sg/$a-u$u-s3; done; done
+for u in 3 6; do
+  .venv/bin/agentevo compare runs/cmp-sg/{none,lam0,const}-u$u-s? --baseline none-u$u --out runs/cmp-sg/vs-none-u$u
+done
+.venv/bin/python $S/verdict_check.py runs/real/sg6r-lam0-s3; .venv/bin/python $S/light_errors.py runs/real/sg6r-{lam0,none}-s3
 P=runs/real/sgT1
 for u in 3 6; do
   .venv/bin/python $S/sampled_compare.py --pool $P-const-s0-bc $P-const-s0-update-$u $P-const-s1-bc $P-const-s1-update-$u \
