@@ -432,7 +432,8 @@ def continuation_logprobs(policy: Any, prompt: list[int], conts: Sequence[Sequen
         picked = losses.token_logprobs(logits, batch["input_ids"])  # column j scores token j + 1
         return [float(x) for x in (picked * batch["action_mask"][:, 1:]).sum(dim=1)]
     head = torch.tensor([prompt[:-1]], device=device)
-    cache = model(input_ids=head, use_cache=True).past_key_values
+    out = model(input_ids=head, use_cache=True)
+    cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values  # renamed in transformers 5.2x
     cache.batch_repeat_interleave(len(conts))
     # each row: the prompt's last token (its logits score the continuation's first token), then the continuation
     rows = [StepSample([prompt[-1], *c], [(1, 1 + len(c))], 0, [1]) for c in conts]
