@@ -6,7 +6,7 @@ import torch
 
 from agentevo.agent.chat import ChatRenderer, Message
 from agentevo.agent.prompt import HistoryTurn, build_messages, expert_reply, parse_action
-from agentevo.data.tensors import collate, step_prompt_ids, trajectory_samples
+from agentevo.data.tensors import collate, pad_sequences, step_prompt_ids, trajectory_samples
 from agentevo.data.types import Step, Trajectory
 from agentevo.envs.base import Task
 
@@ -114,3 +114,13 @@ def test_step_labels_broadcast_to_reply_tokens(tiny_policy) -> None:  # noqa: AN
     adv = batch["adv"][0]
     assert torch.all(adv[s1:e1] == 0.5) and torch.all(adv[s2:e2] == -1.0)
     assert adv.abs().sum().item() == 0.5 * (e1 - s1) + 1.0 * (e2 - s2)
+
+
+def test_pad_sequences_right_and_left() -> None:
+    ids, mask = pad_sequences([[5, 6, 7], [8]], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+    ids, mask = pad_sequences([[5, 6, 7], [8]], pad_id=9, left=True)
+    assert ids.tolist() == [[5, 6, 7], [9, 9, 8]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert ids.dtype == mask.dtype == torch.long

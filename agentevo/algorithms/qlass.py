@@ -36,7 +36,7 @@ from agentevo.agent.chat import Message
 from agentevo.agent.prompt import FORMAT_ERROR_OBSERVATION, HistoryTurn, build_messages, parse_action
 from agentevo.algorithms.bc import warm_start
 from agentevo.algorithms.losses import aggregate
-from agentevo.data.tensors import StepSample, step_prompt_ids
+from agentevo.data.tensors import StepSample, pad_sequences, step_prompt_ids
 from agentevo.data.types import Step, Trajectory, final_reward
 from agentevo.errors import AgentevoError
 from agentevo.eval.metrics import eval_collection, summarize
@@ -403,12 +403,7 @@ def qnet_scores(qnet: QNet, sequences: list[list[int]], pad_id: int, batch_size:
     out: list[float] = []
     for start in range(0, len(sequences), batch_size):
         chunk = sequences[start : start + batch_size]
-        width = max(len(s) for s in chunk)
-        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(chunk), width), dtype=torch.long)
-        for row, s in enumerate(chunk):
-            ids[row, : len(s)] = torch.tensor(s, dtype=torch.long)
-            mask[row, : len(s)] = 1
+        ids, mask = pad_sequences(chunk, pad_id)
         q = qnet(ids.to(device), mask.to(device)).float().cpu()
         out.extend(q[row, len(s) - 1].item() for row, s in enumerate(chunk))
     return out

@@ -40,6 +40,18 @@ class StepSample:
         return sum(e - s for s, e in self.spans)
 
 
+def pad_sequences(sequences: list[list[int]], pad_id: int, left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids padded to the longest sequence (on the right, or the left for generation) and the 0/1 mask."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, s in enumerate(sequences):
+        cols = slice(width - len(s), width) if left else slice(0, len(s))
+        ids[row, cols] = torch.tensor(s, dtype=torch.long)
+        mask[row, cols] = 1
+    return ids, mask
+
+
 def step_prompt_ids(
     renderer: ChatRenderer, traj: Trajectory, t: int, window: int, prefix: str = ""
 ) -> list[int]:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from agentevo.agent.chat import ChatRenderer
+from agentevo.data.tensors import pad_sequences
 from agentevo.errors import AgentevoError, ConfigError
 from agentevo.models import placement
 from agentevo.models.prefix_cache import (
@@ -198,12 +199,7 @@ class TransformersPolicy:
         return [Generation(ids, logps, self.renderer.decode(ids)) for ids, logps in replies]
 
     def _generate_batch(self, prompts: list[list[int]], sampling: Sampling) -> list[Generation]:
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, p in enumerate(prompts):
-            input_ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-            attention[row, width - len(p) :] = 1
+        input_ids, attention = pad_sequences(prompts, self.pad_id, left=True)
         kwargs: dict[str, Any] = {
             "max_new_tokens": sampling.max_new_tokens,
             "eos_token_id": self.renderer.stop_ids,
@@ -220,7 +216,7 @@ class TransformersPolicy:
         result = self.model.generate(
             input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device), **kwargs
         )
-        new_tokens = result.sequences[:, width:].cpu()
+        new_tokens = result.sequences[:, input_ids.shape[1] :].cpu()
         # Raw (temperature-1) logits: the stored log-probs are log pi(a|s) of the policy itself, what ratios need.
         logits = torch.stack(result.logits, dim=1).float().cpu()
         logp = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)

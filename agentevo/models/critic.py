@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from agentevo.agent.chat import ChatRenderer, Rendered
 from agentevo.agent.prompt import HistoryTurn, build_messages
 from agentevo.algorithms import losses
-from agentevo.data.tensors import step_prompt_ids
+from agentevo.data.tensors import pad_sequences, step_prompt_ids
 from agentevo.data.types import Trajectory
 from agentevo.eval.diagnostics import relative_drift
 from agentevo.models import placement
@@ -251,12 +251,7 @@ class Critic(nn.Module):
         out = []
         for start in range(0, len(sequences), batch_size):
             chunk = sequences[start : start + batch_size]
-            width = max(len(s) for s in chunk)
-            ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-            att = torch.zeros((len(chunk), width), dtype=torch.long)
-            for row, s in enumerate(chunk):
-                ids[row, : len(s)] = torch.tensor(s, dtype=torch.long)
-                att[row, : len(s)] = 1
+            ids, att = pad_sequences(chunk, pad_id)
             h = self.features(ids.to(self.device), att.to(self.device))
             last = h[torch.arange(len(chunk), device=self.device), att.sum(dim=1).to(self.device) - 1]
             out.append(torch.stack([head(last).squeeze(-1) for head in self.q_heads]).min(dim=0).values.cpu())
