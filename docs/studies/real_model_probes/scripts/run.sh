@@ -148,6 +148,15 @@ for u in 3 6; do
   .venv/bin/agentevo compare runs/cmp-sg/{none,lam0,const}-u$u-s? --baseline none-u$u --out runs/cmp-sg/vs-none-u$u
 done
 .venv/bin/python $S/verdict_check.py runs/real/sg6r-lam0-s3; .venv/bin/python $S/light_errors.py runs/real/sg6r-{lam0,none}-s3
+# the internal-reward arm at seed 3, from lambda = 0's guided BC, vs lambda = 0 over the EPYC seeds 0, 2, 3
+sg6r sg6r-const-s3 3 --set selfguide.schedule=constant --set bc.warm_start_from=runs/real/sg6r-lam0-s3 --quiet
+sampled const 3 update-3 last; sampled const 3 update-6 all
+for u in 3 6; do ln -sfn ../real/sgT1-const-s3-update-$u runs/cmp-sg/const-u$u-s3; done
+for u in 3 6; do
+  .venv/bin/agentevo compare runs/cmp-sg/{none,lam0,const}-u$u-s? --baseline none-u$u --out runs/cmp-sg/vs-none-u$u
+  .venv/bin/agentevo compare runs/cmp-sg/{lam0,const}-u$u-s? --baseline lam0-u$u --out runs/cmp-sg/vs-lam0-u$u
+done
+.venv/bin/python $S/verdict_check.py runs/real/sg6r-const-s3; .venv/bin/python $S/light_errors.py runs/real/sg6r-const-s3
 P=runs/real/sgT1
 for u in 3 6; do
   .venv/bin/python $S/sampled_compare.py --pool $P-const-s0-bc $P-const-s0-update-$u $P-const-s1-bc $P-const-s1-update-$u \
