@@ -126,28 +126,19 @@ for u in 3 6; do
   .venv/bin/agentevo compare runs/cmp-sg/{none,lam0,const}-u$u-s? --baseline none-u$u --out runs/cmp-sg/vs-none-u$u
   .venv/bin/agentevo compare runs/cmp-sg/{lam0,const}-u$u-s? --baseline lam0-u$u --out runs/cmp-sg/vs-lam0-u$u
 done
-# seed 1 on the EPYC (2026-12-06; the Xeon's seed-1 folders were lost): lambda = 0 with its own guided BC, GRPO
-# without guides, sampled evaluations; then every arm vs GRPO without guides over the three EPYC seeds
-sg6r sg6r-lam0-s1 1 --set selfguide.schedule=none --quiet
-sg6r sg6r-none-s1 1 --set selfguide.guide=none --quiet
-sampled lam0 1 bc none; sampled lam0 1 update-3 last; sampled lam0 1 update-6 all
-for ck in bc update-3 update-6; do sampled none 1 $ck none; done
-for a in lam0 none; do for u in 3 6; do ln -sfn ../real/sgT1-$a-s1-update-$u runs/cmp-sg/$a-u$u-s1; done; done
+# seeds 1 and 3 on the EPYC (2026-12-06, two sessions; the Xeon's seed-1 folders were lost): lambda = 0 with its own
+# guided BC, GRPO without guides, sampled evaluations; then every arm vs GRPO without guides over the EPYC seeds
+for s in 1 3; do
+  sg6r sg6r-lam0-s$s $s --set selfguide.schedule=none --quiet
+  sg6r sg6r-none-s$s $s --set selfguide.guide=none --quiet
+  sampled lam0 $s bc none; sampled lam0 $s update-3 last; sampled lam0 $s update-6 all
+  for ck in bc update-3 update-6; do sampled none $s $ck none; done
+  for a in lam0 none; do for u in 3 6; do ln -sfn ../real/sgT1-$a-s$s-update-$u runs/cmp-sg/$a-u$u-s$s; done; done
+  .venv/bin/python $S/verdict_check.py runs/real/sg6r-lam0-s$s; .venv/bin/python $S/light_errors.py runs/real/sg6r-{lam0,none}-s$s
+done
 for u in 3 6; do
   .venv/bin/agentevo compare runs/cmp-sg/{none,lam0,const}-u$u-s? --baseline none-u$u --out runs/cmp-sg/vs-none-u$u
 done
-.venv/bin/python $S/verdict_check.py runs/real/sg6r-lam0-s1
-# seed 3 on the EPYC (2026-12-06): the same two arms and evaluations, then every arm vs GRPO without guides over the
-# four EPYC seeds
-sg6r sg6r-lam0-s3 3 --set selfguide.schedule=none --quiet
-sg6r sg6r-none-s3 3 --set selfguide.guide=none --quiet
-sampled lam0 3 bc none; sampled lam0 3 update-3 last; sampled lam0 3 update-6 all
-for ck in bc update-3 update-6; do sampled none 3 $ck none; done
-for a in lam0 none; do for u in 3 6; do ln -sfn ../real/sgT1-$a-s3-update-$u runs/cmp-sg/$a-u$u-s3; done; done
-for u in 3 6; do
-  .venv/bin/agentevo compare runs/cmp-sg/{none,lam0,const}-u$u-s? --baseline none-u$u --out runs/cmp-sg/vs-none-u$u
-done
-.venv/bin/python $S/verdict_check.py runs/real/sg6r-lam0-s3; .venv/bin/python $S/light_errors.py runs/real/sg6r-{lam0,none}-s3
 # the internal-reward arm at seed 3, from lambda = 0's guided BC, vs lambda = 0 over the EPYC seeds 0, 2, 3
 sg6r sg6r-const-s3 3 --set selfguide.schedule=constant --set bc.warm_start_from=runs/real/sg6r-lam0-s3 --quiet
 sampled const 3 update-3 last; sampled const 3 update-6 all
