@@ -121,15 +121,11 @@ def trajectory_samples(
 def collate(samples: list[StepSample], pad_id: int) -> dict[str, Any]:
     """Right-padded batch: input_ids, attention_mask, action_mask (1 on reply tokens), step_id (t on reply
     tokens, -1 elsewhere), per-step labels broadcast to their reply tokens, per-token labels."""
-    width = max(len(s.input_ids) for s in samples)
-    n = len(samples)
-    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
-    attention = torch.zeros((n, width), dtype=torch.long)
+    input_ids, attention = pad_sequences([s.input_ids for s in samples], pad_id)
+    n, width = input_ids.shape
     action_mask = torch.zeros((n, width), dtype=torch.float32)
     step_id = torch.full((n, width), -1, dtype=torch.long)
     for row, s in enumerate(samples):
-        input_ids[row, : len(s.input_ids)] = torch.tensor(s.input_ids, dtype=torch.long)
-        attention[row, : len(s.input_ids)] = 1
         for (start, end), t in zip(s.spans, s.steps, strict=True):
             action_mask[row, start:end] = 1.0
             step_id[row, start:end] = t

@@ -115,10 +115,7 @@ def collate_critic(items: list[CriticItem], pad_id: int) -> dict[str, Tensor]:
     V values come out item-major, t = 1..T+1 (index base_v + t − 1); Q values item-major, t = 1..T.
     `v_cur`/`v_next` index V(s_t)/V(s_{t+1}) for every step.
     """
-    rows = [r for it in items for r in it.rows]
-    width = max(len(r.input_ids) for r in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    input_ids, attention = pad_sequences([r.input_ids for it in items for r in it.rows], pad_id)
     v_where: list[tuple[int, int]] = []
     q_where: list[tuple[int, int]] = []
     v_cur, v_next = [], []
@@ -127,8 +124,6 @@ def collate_critic(items: list[CriticItem], pad_id: int) -> dict[str, Tensor]:
         v_slot: dict[int, tuple[int, int]] = {}
         q_slot: dict[int, tuple[int, int]] = {}
         for r in it.rows:
-            input_ids[row, : len(r.input_ids)] = torch.tensor(r.input_ids, dtype=torch.long)
-            attention[row, : len(r.input_ids)] = 1
             v_slot.update({t: (row, p) for t, p in zip(r.v_steps, r.v_pos, strict=True)})
             q_slot.update({t: (row, p) for t, p in zip(r.q_steps, r.q_pos, strict=True)})
             row += 1
