@@ -112,6 +112,14 @@ def _threads() -> int:
     return threading.active_count()
 
 
+def _wait_for_threads(target: int, *, at_most: bool = False, timeout: float = 5.0) -> int:
+    """Wait until the live thread count is target (or at most target); a worker frees its slot before its thread ends."""
+    deadline = time.monotonic() + timeout
+    while (_threads() > target if at_most else _threads() != target) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return _threads()
+
+
 def test_slow_clients_time_out_and_the_pool_is_bounded(server) -> None:  # noqa: ANN001
     before = _threads()
     # a body that never fully arrives: 408 after read_timeout_s (1 s), and the worker is freed
@@ -125,9 +133,11 @@ def test_slow_clients_time_out_and_the_pool_is_bounded(server) -> None:  # noqa:
     assert reply.startswith("HTTP/1.1 408") and "did not arrive within 1 s" in reply
     assert time.monotonic() - t0 < 4
     slow.close()
+    # the client sees the close before the worker releases its slot: wait for the worker to end
+    assert _wait_for_threads(before, at_most=True) <= before
     # three silent connections fill the pool (max_workers = 3): a fourth gets 503 at once, as JSON
     idle = [socket.create_connection((server.host, server.port), timeout=5) for _ in range(3)]
-    time.sleep(0.2)
+    assert _wait_for_threads(before + 3) == before + 3  # all three in service
     extra = socket.create_connection((server.host, server.port), timeout=5)
     head, _, body = extra.recv(4096).decode().partition("\r\n\r\n")
     assert head.startswith("HTTP/1.1 503") and json.loads(body)["error"]["type"] == "server_busy"
@@ -137,10 +147,7 @@ def test_slow_clients_time_out_and_the_pool_is_bounded(server) -> None:  # noqa:
     for sock in idle:
         assert sock.recv(4096) == b""
         sock.close()
-    deadline = time.monotonic() + 5
-    while _threads() > before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _threads() <= before
+    assert _wait_for_threads(before, at_most=True) <= before
     assert _post(server, {"prompt": [5, 6], "max_tokens": 2})[0] == 200
 
 
