@@ -7,6 +7,7 @@ import shutil
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from agentevo.errors import MissingDependencyError
 
@@ -32,6 +33,36 @@ def bounded_jvm(max_heap_mb: int) -> Iterator[None]:
             os.environ.pop("JAVA_TOOL_OPTIONS", None)
         else:
             os.environ["JAVA_TOOL_OPTIONS"] = previous
+
+
+def jvm_process(simulator: Any) -> Any:
+    """The subprocess.Popen of a py4j-backed simulator's JVM (its gateway's java_process), or None."""
+    return getattr(getattr(simulator, "_gateway", None), "java_process", None)
+
+
+def shutdown_jvm(simulator: Any) -> None:
+    """Close a py4j-backed simulator and make sure its JVM exits, whether it is alive, wedged or already dead.
+
+    A dead JVM's py4j client is marked disconnected first, so that neither the shutdown nor the garbage collection of
+    its Java object proxies dials the dead port again (each try logs a traceback). close() only asks the JVM to exit;
+    one still running 5 s later is killed, so crashed or wedged JVMs never pile up.
+    """
+    proc = jvm_process(simulator)
+    if proc is not None and proc.poll() is not None:
+        simulator._gateway._gateway_client.is_connected = False
+    try:
+        simulator.close()
+    except Exception:  # noqa: BLE001 - a dead JVM cannot be shut down cleanly
+        pass
+    if proc is not None and proc.poll() is None:
+        try:
+            proc.wait(timeout=5)
+        except Exception:  # noqa: BLE001 - still alive after the polite request
+            proc.kill()  # SIGKILL ends even a stopped process
+            try:
+                proc.wait(timeout=5)
+            except Exception:  # noqa: BLE001 - unkillable (uninterruptible sleep); nothing more can be done here
+                pass
 
 
 def kill_jvm(env: object) -> bool:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from agentevo.envs.base import SPLITS, Task, TaskList, classify_signal
-from agentevo.envs.java import bounded_jvm, require_java
+from agentevo.envs.java import bounded_jvm, jvm_process, require_java, shutdown_jvm
 from agentevo.errors import ConfigError, EnvCrashedError, MissingDependencyError
 
 logger = logging.getLogger(__name__)
@@ -311,24 +311,8 @@ class ScienceWorldEnv:
         env, self._env = self._env, None
         self._loaded = None
         self._task = None
-        if env is None:
-            return
-        gateway = getattr(env, "_gateway", None)
-        proc = getattr(gateway, "java_process", None)
-        if gateway is not None and proc is not None and proc.poll() is not None:
-            # The JVM is gone: mark the py4j client disconnected so that neither the shutdown below nor the
-            # garbage collection of its Java object proxies dials the dead port again (each try logs a traceback).
-            gateway._gateway_client.is_connected = False
-        try:
-            env.close()
-        except Exception:  # noqa: BLE001 - a dead JVM cannot be shut down cleanly
-            pass
-        if proc is not None and proc.poll() is None:
-            # close() only asks the JVM to exit; make sure it does, so crashed or wedged JVMs never pile up.
-            try:
-                proc.wait(timeout=5)
-            except Exception:  # noqa: BLE001 - still alive after the polite request
-                proc.kill()
+        if env is not None:
+            shutdown_jvm(env)
 
     def restart(self) -> None:
         """Kill and forget the JVM; the next call starts a fresh one."""
@@ -338,7 +322,7 @@ class ScienceWorldEnv:
         """The JVM's process id (tests kill it to check crash recovery)."""
         if self._env is None:
             return None
-        proc = self._env._gateway.java_process
+        proc = jvm_process(self._env)
         return None if proc is None else int(proc.pid)
 
     def _call(self, what: str, fn: Callable[[Any], T]) -> T:

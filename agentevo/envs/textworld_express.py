@@ -6,7 +6,7 @@ import threading
 from typing import Any
 
 from agentevo.envs.base import SPLITS, Task, TaskList, classify_signal
-from agentevo.envs.java import bounded_jvm, require_java
+from agentevo.envs.java import bounded_jvm, jvm_process, require_java, shutdown_jvm
 from agentevo.errors import ConfigError, EnvCrashedError, MissingDependencyError
 
 INVALID_PATTERNS = (
@@ -83,13 +83,10 @@ class _TWXBase:
         return self._env
 
     def close(self) -> None:
-        """Shut the JVM down."""
-        if self._env is not None:
-            try:
-                self._env.close()
-            except Exception:  # noqa: BLE001 - a dead JVM cannot be closed twice
-                pass
-            self._env = None
+        """Shut the JVM down (killed if it does not exit; a dead one's bridge is not dialled again)."""
+        env, self._env = self._env, None
+        if env is not None:
+            shutdown_jvm(env)
 
     def restart(self) -> None:
         """Kill and forget the JVM; the next call starts a fresh one."""
@@ -99,7 +96,7 @@ class _TWXBase:
         """The JVM's process id (tests kill it to check crash recovery)."""
         if self._env is None:
             return None
-        proc = self._env._gateway.java_process
+        proc = jvm_process(self._env)
         return None if proc is None else int(proc.pid)
 
     # -- contract ------------------------------------------------------------------------------
