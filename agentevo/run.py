@@ -24,6 +24,7 @@ from agentevo.data.types import Trajectory
 from agentevo.envs import TaskList, make_env
 from agentevo.errors import AgentevoError, ConfigError
 from agentevo.eval.metrics import eval_collection, summarize
+from agentevo.files import write_text_atomic
 from agentevo.models import placement
 from agentevo.models.backend import Sampling, TransformersPolicy, load_pretrained, set_torch_threads
 from agentevo.rollout.engine import EpisodeRequest, PolicyActor, run_episodes
@@ -44,12 +45,6 @@ def check_run_name(name: str, output_dir: str | Path) -> None:
                           "'..', an absolute path or anything with '/' or '\\'); give e.g. --name my-run")
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 class RunLock:
     """Exclusive ownership of a run folder: an OS lock (flock) held from Run() to Run.close(), dropped by the OS
     when the process dies, so a crash never leaves a stale lock; owner.json says who holds it."""
@@ -68,7 +63,7 @@ class RunLock:
             raise AgentevoError(f"cannot lock run folder {str(run_dir)!r} ({exc}); put runs on a local disk "
                                 "(--output-dir)") from None
         command = " ".join(sys.argv).replace("\n", " ")
-        _write_atomic(run_dir / OWNER_FILE, json.dumps({
+        write_text_atomic(run_dir / OWNER_FILE, json.dumps({
             "pid": os.getpid(), "host": socket.gethostname(), "command": command[:300],
             "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         }))
@@ -238,7 +233,7 @@ class Run:
             try:
                 self._lock = RunLock(self.dir)
                 _prepare_folder(self.dir, existing)
-                _write_atomic(self.dir / "config.yaml", dump_config(cfg))
+                write_text_atomic(self.dir / "config.yaml", dump_config(cfg))
             except AgentevoError as exc:
                 error = exc
         failed = dist.broadcast(None if error is None else str(error))  # no rank goes on into a refused folder
@@ -313,9 +308,7 @@ class Run:
                 raise AgentevoError(f"phase {name} failed on rank 0 ({result[_PHASE_FAILED]}); see its output")
         self.state[name] = result
         if self.main:
-            tmp = self.state_path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.state, indent=1, default=str))
-            os.replace(tmp, self.state_path)
+            write_text_atomic(self.state_path, json.dumps(self.state, indent=1, default=str))
         dist.barrier()
         return result
 

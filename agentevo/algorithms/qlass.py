@@ -40,6 +40,7 @@ from agentevo.data.tensors import StepSample, pad_sequences, step_prompt_ids
 from agentevo.data.types import Step, Trajectory, final_reward
 from agentevo.errors import AgentevoError
 from agentevo.eval.metrics import eval_collection, summarize
+from agentevo.files import replacing_dir
 from agentevo.models import placement
 from agentevo.models.backend import Generation, Sampling, TransformersPolicy
 from agentevo.rollout.engine import Episode, EpisodeRequest, PolicyActor
@@ -631,8 +632,9 @@ def run(run: Run) -> dict[str, Any]:
             stats = train(qnet, samples, qnet_loss_fn(q.loss_tokens), optim, policy.pad_id,
                           run.checkpoint_dir("qnet-work"), cfg.seed, run.logger, "qlass/qnet/train", policy.tokenizer,
                           bar.training_callback())
-        qnet.save_pretrained(run.checkpoint_dir("qnet"))
-        policy.tokenizer.save_pretrained(run.checkpoint_dir("qnet"))
+        with replacing_dir(run.checkpoint_dir("qnet")) as tmp:
+            qnet.save_pretrained(tmp)
+            policy.tokenizer.save_pretrained(tmp)
         return {**stats, "samples": len(samples), "label_mean": sum(labels) / max(1, len(labels)),
                 "label_nonzero": sum(v > 0 for v in labels) / max(1, len(labels))}
 

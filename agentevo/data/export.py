@@ -9,7 +9,6 @@ and first observation in the first user turn, each reply as an assistant turn, e
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -19,6 +18,7 @@ from agentevo.agent.prompt import HistoryTurn, build_messages, parse_action
 from agentevo.data.types import Step, Trajectory
 from agentevo.envs.base import Task, classify_signal
 from agentevo.errors import AgentevoError, MissingDependencyError
+from agentevo.files import replacing
 
 KINDS = ("messages", "prompt_completion", "preference", "steps")
 FORMATS = ("parquet", "jsonl")
@@ -164,18 +164,16 @@ def _pyarrow() -> Any:
 
 def write_rows(rows: list[dict[str, Any]], path: Path, fmt: str) -> Path:
     """Write rows as JSON lines or Parquet, atomically (temp file + rename); returns the path."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    if fmt == "jsonl":
-        with open(tmp, "w") as fh:
-            for row in rows:
-                fh.write(json.dumps(row, default=str) + "\n")
-    elif fmt == "parquet":
-        pa = _pyarrow()
-        pa.parquet.write_table(pa.Table.from_pylist(rows), tmp)
-    else:
+    if fmt not in FORMATS:
         raise AgentevoError(f"unknown export format {fmt!r}; choose one of: {', '.join(FORMATS)}")
-    os.replace(tmp, path)
+    with replacing(path) as tmp:
+        if fmt == "jsonl":
+            with open(tmp, "w") as fh:
+                for row in rows:
+                    fh.write(json.dumps(row, default=str) + "\n")
+        else:
+            pa = _pyarrow()
+            pa.parquet.write_table(pa.Table.from_pylist(rows), tmp)
     return path
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from agentevo.data.types import Step, Trajectory
 from agentevo.envs.base import Task
 from agentevo.errors import AgentevoError
+from agentevo.files import replacing
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS trajectories (
@@ -270,7 +271,7 @@ class ExperienceStore:
     def export_jsonl(self, path: str | Path, collection: str | None = None) -> int:
         """Write trajectories (steps included) as JSON lines; returns how many."""
         n = 0
-        with open(path, "w") as fh:
+        with replacing(path) as tmp, open(tmp, "w") as fh:
             for traj in self.load(collection=collection):
                 record = {
                     "task": traj.task.to_dict(), "source": traj.source, "policy_id": traj.policy_id,

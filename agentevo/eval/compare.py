@@ -13,7 +13,6 @@ eval/<label>/<split>): seeds paired by index, tasks by id on the same task list 
 from __future__ import annotations
 
 import json
-import os
 import re
 import sqlite3
 import statistics
@@ -26,6 +25,7 @@ import yaml
 from agentevo.errors import ConfigError
 from agentevo.eval.metrics import eval_collection
 from agentevo.eval.stats import PairedResult, format_p, paired_difference
+from agentevo.files import replacing, write_text_atomic
 
 SEED_SUFFIX = re.compile(r"-s(\d+)$")
 METRICS = {"success": "held-out success (%)", "reward": "held-out average final reward (x100)"}
@@ -400,18 +400,9 @@ def plot_groups(groups: list[Group], labels: list[str], path: Path, metric: str 
     right.set_title(f"{metric} vs environment steps used", fontsize=9)
     left.legend(fontsize=7)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fig.savefig(tmp, dpi=110, format="png")
+    with replacing(path) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)
-    os.replace(tmp, path)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def compare(run_dirs: list[Path], split: str, out: Path, metric: str = "success", baseline: str | None = None,
@@ -471,6 +462,6 @@ def compare(run_dirs: list[Path], split: str, out: Path, metric: str = "success"
                  f"pooled over seed pairs:\n\n{p_table}\n\n" + "\n".join(sentences) + "\n\n")
     text += "![comparison](compare.png)\n"
     path = out / "compare.md"
-    _write_atomic(path, text)
+    write_text_atomic(path, text)
     return Comparison(path, f"own {baseline_point}" if baseline_point is not None else base.name, table, p_table,
                       sentences, warnings, text)

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentevo.eval.diagnostics import render_section
 from agentevo.eval.metrics import eval_collection, tasks_played
+from agentevo.files import write_text_atomic
 
 if TYPE_CHECKING:
     from agentevo.run import Run
@@ -141,5 +142,4 @@ def write_report(run: Run) -> Path:
         for key, value in extra.items():
             lines.append(f"- **{key}**: {format_value(value)}")
     path = run.dir / "report.md"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_text_atomic(path, "\n".join(lines) + "\n")

@@ -6,7 +6,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import torch
 from agentevo.agent.chat import ChatRenderer
 from agentevo.data.tensors import pad_sequences
 from agentevo.errors import AgentevoError, ConfigError
+from agentevo.files import replacing_dir, write_text_atomic
 from agentevo.models import placement
 from agentevo.models.prefix_cache import (
     PrefixKVCache,
@@ -59,10 +59,7 @@ def write_manifest(folder: str | Path) -> Path:
     folder = Path(folder)
     files = {p.relative_to(folder).as_posix(): _sha256(p) for p in sorted(folder.rglob("*"))
              if p.is_file() and not (p.parent == folder and p.name in (MANIFEST, MANIFEST + ".tmp"))}
-    tmp = folder / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps({"sha256": files}, indent=1))
-    os.replace(tmp, folder / MANIFEST)
-    return folder / MANIFEST
+    return write_text_atomic(folder / MANIFEST, json.dumps({"sha256": files}, indent=1))
 
 
 def verify_manifest(folder: str | Path) -> bool:
@@ -241,22 +238,10 @@ class TransformersPolicy:
 def save_pretrained_atomic(model: Any, tokenizer: Any, path: str | Path) -> Path:
     """save_pretrained into path.tmp, then swap it into place so a crash never leaves a half-written folder."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    write_manifest(tmp)
-    if path.exists():
-        old = path.with_name(path.name + ".old")
-        if old.exists():
-            shutil.rmtree(old)
-        path.rename(old)
-        tmp.rename(path)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(path)
+    with replacing_dir(path) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        write_manifest(tmp)
     return path
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import json
 import random
-import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from agentevo.algorithms import losses
 from agentevo.data.tensors import pad_sequences, step_prompt_ids
 from agentevo.data.types import Trajectory
 from agentevo.eval.diagnostics import relative_drift
+from agentevo.files import replacing_dir
 from agentevo.models import placement
 
 CRITIC_ADAPTER = "critic"
@@ -411,27 +411,21 @@ def add_critic_adapter(peft_model: Any, lora_config: Any, copy_from: str | None)
 def save_critic(critic: Critic, path: str | Path, tokenizer: Any = None) -> Path:
     """Write backbone (or the critic adapter's weights) and heads to path atomically (temp folder, rename)."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    if critic.adapter is None:
-        critic.lm.save_pretrained(tmp / "backbone")
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp / "backbone")
-    else:
-        from peft import get_peft_model_state_dict
-        from safetensors.torch import save_file
+    with replacing_dir(path) as tmp:
+        if critic.adapter is None:
+            critic.lm.save_pretrained(tmp / "backbone")
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp / "backbone")
+        else:
+            from peft import get_peft_model_state_dict
+            from safetensors.torch import save_file
 
-        state = get_peft_model_state_dict(critic.lm, adapter_name=critic.adapter)
-        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "adapter.safetensors"))
-    heads = {k: v for k, v in critic.state_dict().items() if not k.startswith("lm.")}
-    torch.save(heads, tmp / "heads.pt")
-    (tmp / "critic.json").write_text(json.dumps({"width": critic.width, "adapter": critic.adapter,
-                                                 "n_q": len(critic.q_heads)}))
-    if path.exists():
-        shutil.rmtree(path)
-    tmp.rename(path)
+            state = get_peft_model_state_dict(critic.lm, adapter_name=critic.adapter)
+            save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "adapter.safetensors"))
+        heads = {k: v for k, v in critic.state_dict().items() if not k.startswith("lm.")}
+        torch.save(heads, tmp / "heads.pt")
+        (tmp / "critic.json").write_text(json.dumps({"width": critic.width, "adapter": critic.adapter,
+                                                     "n_q": len(critic.q_heads)}))
     return path
 
 

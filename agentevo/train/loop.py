@@ -19,6 +19,7 @@ import torch
 from agentevo.config import OptimConfig
 from agentevo.data.tensors import StepSample, collate, packing_collate
 from agentevo.errors import AgentevoError, ConfigError
+from agentevo.files import replacing_dir
 from agentevo.models import placement
 from agentevo.models.backend import DamagedCheckpointError, verify_manifest, write_manifest
 from agentevo.train.tracking import MetricsLogger
@@ -87,17 +88,11 @@ def _save_final(accelerator: Any, model: Any, tokenizer: Any, path: Path) -> Non
     """save_pretrained of the whole model from any layout (DDP, FSDP, DeepSpeed): gathered, written by rank 0."""
     state = accelerator.get_state_dict(model)  # every rank takes part: FSDP / ZeRO-3 gather their shards here
     if accelerator.is_main_process:
-        tmp = path.with_name(path.name + ".tmp")
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-        accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        write_manifest(tmp)
-        if path.exists():
-            shutil.rmtree(path)
-        tmp.rename(path)
+        with replacing_dir(path) as tmp:
+            accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state, safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            write_manifest(tmp)
     accelerator.wait_for_everyone()
 
 
@@ -109,24 +104,13 @@ def _rng_state() -> dict[str, Any]:
 
 def _save_state(ckpt: Path, model: Any, tokenizer: Any, optimizer: Any, step: int, extra: dict[str, Any]) -> None:
     """Write the resume checkpoint: model, optimiser, RNG and step, then its manifest; swapped in atomically."""
-    tmp = ckpt.with_name(ckpt.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp / "model")
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp / "model")
-    torch.save({"optimizer": optimizer.state_dict(), "rng": _rng_state()}, tmp / "optimizer.pt")
-    (tmp / "state.json").write_text(json.dumps({"step": step, **extra}))
-    write_manifest(tmp)
-    old = ckpt.with_name(ckpt.name + ".old")  # the previous checkpoint stays until the new one is in place
-    if old.exists():
-        shutil.rmtree(old)
-    if ckpt.exists():
-        os.replace(ckpt, old)
-    os.replace(tmp, ckpt)
-    if old.exists():
-        shutil.rmtree(old)
+    with replacing_dir(ckpt) as tmp:  # the previous checkpoint stays (as last.old) until the new one is in place
+        model.save_pretrained(tmp / "model")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp / "model")
+        torch.save({"optimizer": optimizer.state_dict(), "rng": _rng_state()}, tmp / "optimizer.pt")
+        (tmp / "state.json").write_text(json.dumps({"step": step, **extra}))
+        write_manifest(tmp)
 
 
 def _read_state(ckpt: Path) -> tuple[dict[str, torch.Tensor], bool, dict[str, Any], int]:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from agentevo.errors import AgentevoError, ConfigError, MissingDependencyError
+from agentevo.files import write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -135,9 +136,7 @@ class MetricsLogger:
         keep = [r for r in records if not (r["phase"] == phase and isinstance(r.get("step"), int) and r["step"] > step)]
         if len(keep) == len(lines):
             return 0
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r, default=float) + "\n" for r in keep))
-        os.replace(tmp, self.path)
+        write_text_atomic(self.path, "".join(json.dumps(r, default=float) + "\n" for r in keep))
         return len(records) - len(keep)
 
     def close(self) -> None:
@@ -224,9 +223,7 @@ def _read_ids(run_dir: Path) -> dict[str, Any]:
 
 def _save_id(run_dir: Path, name: str, value: Any) -> None:
     ids = {**_read_ids(run_dir), name: value}
-    tmp = run_dir / (IDS_FILE + ".tmp")
-    tmp.write_text(json.dumps(ids, indent=1))
-    os.replace(tmp, run_dir / IDS_FILE)
+    write_text_atomic(run_dir / IDS_FILE, json.dumps(ids, indent=1))
 
 
 class Tracker:

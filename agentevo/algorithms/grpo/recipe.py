@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import pickle
 import random
-import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -53,6 +51,7 @@ from agentevo.envs.base import Task
 from agentevo.errors import AgentevoError, ConfigError
 from agentevo.eval import diagnostics
 from agentevo.eval.metrics import summarize
+from agentevo.files import replacing_dir
 from agentevo.models import placement
 from agentevo.models.backend import (
     DamagedCheckpointError,
@@ -314,24 +313,12 @@ class PolicyTrainer:
     # -- checkpoints ---------------------------------------------------------------------------------
     def save(self, path: Path, state: dict[str, Any]) -> None:
         """Write model (adapter when LoRA), tokenizer, optimiser and `state` to path atomically."""
-        tmp = path.with_name(path.name + ".tmp")
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-        self.model.save_pretrained(tmp / "model")
-        self.policy.tokenizer.save_pretrained(tmp / "model")
-        torch.save({"optimizer": self.optimizer.state_dict()}, tmp / "optimizer.pt")
-        (tmp / "state.json").write_text(json.dumps(state))
-        write_manifest(tmp)
-        if path.exists():
-            old = path.with_name(path.name + ".old")
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, path)
+        with replacing_dir(path) as tmp:
+            self.model.save_pretrained(tmp / "model")
+            self.policy.tokenizer.save_pretrained(tmp / "model")
+            torch.save({"optimizer": self.optimizer.state_dict()}, tmp / "optimizer.pt")
+            (tmp / "state.json").write_text(json.dumps(state))
+            write_manifest(tmp)
 
     def restore(self, path: Path) -> dict[str, Any] | None:
         """Load weights and optimiser from a save() folder; returns its state, or None when there is none.

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from agentevo.envs.base import SIGNAL_NONE, SIGNALS
 from agentevo.errors import ConfigError
 from agentevo.eval import diagnostics
 from agentevo.eval.metrics import auc, auc_same_step, summarize
+from agentevo.files import write_text_atomic
 from agentevo.models.backend import Generation, Sampling, TransformersPolicy, load_pretrained
 from agentevo.models.critic import (
     Critic,
@@ -486,11 +486,7 @@ def compute_advantages(run: Run, r: int, data: Dataset, cache: dict[str, Any]) -
     raw, final = dataset_advantages(q, labels, values)
     flat = torch.tensor([a for adv in raw for a in adv])
     path = labels_path(run, r)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"keys": data.keys, "adv": final, "raw": raw,
-                               "v": [v["v"] for v in values]}))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps({"keys": data.keys, "adv": final, "raw": raw, "v": [v["v"] for v in values]}))
     stats = {**value_stats(data, values, q.tau), **advantage_stats(data, final, flat)}
     run.logger.log(f"round-{r}/advantages", 0, stats)
     is_flagged = [s.signal != SIGNAL_NONE for t in data.trajs for s in t.steps]

@@ -66,6 +66,7 @@ from agentevo.data.types import Step, Trajectory
 from agentevo.envs.base import SIGNAL_NONE, Task, sample_tasks
 from agentevo.errors import AgentevoError
 from agentevo.eval.metrics import auc, summarize
+from agentevo.files import replacing, write_text_atomic
 from agentevo.models.backend import Sampling
 from agentevo.rollout.engine import EpisodeRequest, PolicyActor
 from agentevo.train.finetune import finetune
@@ -231,12 +232,10 @@ class TeacherCache:
     def save(self, path: Path) -> None:
         """Write it compact (see compact_; this object is left as it is), atomically."""
         small = dataclasses.replace(self).compact_()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        torch.save({"offsets": [[i, t, a, n] for (i, t), (a, n) in self.offsets.items()],
-                    "ids": small.ids, "logp": small.logp, "teacher_token_logp": self.teacher_token_logp,
-                    "student_token_logp": self.student_token_logp, "vocab_size": self.vocab_size}, tmp)
-        tmp.replace(path)
+        with replacing(path) as tmp:
+            torch.save({"offsets": [[i, t, a, n] for (i, t), (a, n) in self.offsets.items()],
+                        "ids": small.ids, "logp": small.logp, "teacher_token_logp": self.teacher_token_logp,
+                        "student_token_logp": self.student_token_logp, "vocab_size": self.vocab_size}, tmp)
 
     @classmethod
     def load(cls, path: Path) -> TeacherCache:
@@ -640,8 +639,7 @@ def _build_context(run: Run, r: int, student: str, trajs: list[Trajectory], rule
     writer = make_writer(rsd, policy)
     material = build_material(trajs, bank, writer, rule, rsd, random.Random(cfg.seed * 31 + r), previous,
                               refresh_lessons, fts=lambda text: run.store.search_goals(text, limit=500))
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "material.json").write_text(json.dumps({**material.to_json(), "bank_round": prec_round}, indent=1))
+    write_text_atomic(work / "material.json", json.dumps({**material.to_json(), "bank_round": prec_round}, indent=1))
     n = max(1, len(trajs))
     same = sum(bool(ids) and any(b.meta["store_id"] == ids[0] and b.task.task_id == t.task.task_id for b in bank)
                for t, ids in ((t, material.precedents[t.meta["store_id"]]) for t in trajs))
