@@ -174,6 +174,37 @@ def test_thread_worker_hung_past_max_retries_is_an_errored_episode_and_the_run_g
     assert metrics["errored_episodes"] == 1 and metrics["n"] == 2 and metrics["success_rate"] == ok.success / 2
 
 
+def test_qlass_guided_copy_hung_in_a_thread_worker_is_replayed(hang_env, tmp_path) -> None:  # noqa: ANN001
+    """QLASS plays each candidate in its own replayed copy of the episode; a copy whose env hangs is killed after
+    rollout.step_timeout_s and replayed from its reset on a fresh env (before 2026-12-06 it stopped the run)."""
+    from types import SimpleNamespace
+
+    from agentevo.algorithms.qlass import q_guided_episodes
+    from agentevo.models.backend import Generation, Sampling
+    from agentevo.rollout.engine import EpisodeRequest
+
+    class Policy:
+        policy_id = "scripted"
+        renderer = SimpleNamespace(render=lambda messages, add_generation_prompt: SimpleNamespace(ids=[1, 2]))
+
+        def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Generation]:
+            return [Generation([3], [-0.1], "Action: wait") for _ in prompts]
+
+    params = {"marker_dir": str(tmp_path), "hang_at": 2, "hangs": 1}  # one copy hangs on its second step
+    pool = ThreadEnvPool(HANG_ENV, params, 2, step_timeout_s=0.5)
+    task = HangEnv().tasks("train")[0]
+    t0 = time.monotonic()
+    try:
+        (traj,) = q_guided_episodes(Policy(), lambda seqs: [0.0] * len(seqs), pool, [EpisodeRequest(task, 0)],
+                                    HangEnv(), "Reply.", 2, Sampling(1.0, 1.0, 4, seed=0), 2, True, 64,
+                                    max_retries=1)
+    finally:
+        pool.close()
+    assert 0.5 <= time.monotonic() - t0 < 10  # waited out the timeout once, then went on
+    assert _hangs(tmp_path) == 1 and "error" not in traj.meta
+    assert [s.next_obs for s in traj.steps] == ["Observation: room 1", "Observation: room 2", "Observation: room 3"]
+
+
 def test_thread_deadline_is_per_call_not_per_batch(hang_env, tmp_path) -> None:  # noqa: ANN001
     # expert + reset take 0.6 s each, 1.2 s together: over a 1 s timeout per batch, within it per call
     params = {"marker_dir": str(tmp_path), "hangs": 0, "sleep_s": 0.6}

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,13 +39,15 @@ from agentevo.algorithms.bc import warm_start
 from agentevo.algorithms.losses import aggregate
 from agentevo.data.tensors import StepSample, pad_sequences, step_prompt_ids
 from agentevo.data.types import Step, Trajectory, final_reward
-from agentevo.errors import AgentevoError
+from agentevo.errors import AgentevoError, EnvCrashedError
 from agentevo.eval.metrics import eval_collection, summarize
 from agentevo.files import replacing_dir
 from agentevo.models import placement
 from agentevo.models.backend import Generation, Sampling, TransformersPolicy
 from agentevo.rollout.engine import Episode, EpisodeRequest, PolicyActor
 from agentevo.train.loop import train
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from agentevo.run import Run
@@ -413,6 +416,9 @@ def qnet_scores(qnet: QNet, sequences: list[list[int]], pad_id: int, batch_size:
 # -- 4. Q-guided inference -----------------------------------------------------------------------
 
 
+Call = tuple[int, str, tuple[Any, ...]]  # (env index, method, args) for the env pool
+
+
 @dataclass
 class _Guided:
     """An episode under Q-guided selection."""
@@ -440,11 +446,15 @@ def q_guided_episodes(
     terminal_uses_reward: bool,
     max_length: int,
     on_done: Callable[[EpisodeRequest, Trajectory], None] | None = None,
+    max_retries: int = 3,
 ) -> list[Trajectory]:
     """Play each request choosing, at every step, the best of n_candidates sampled replies (see module doc).
 
     Every candidate is executed in a fresh copy of the episode: reset, replay the chosen commands, step the
-    candidate. Per episode, meta counts resets, replayed steps, candidate steps and replay mismatches.
+    candidate. Per episode, meta counts resets, replayed steps, candidate steps and replay mismatches. A copy whose
+    env crashed or hung is replayed again from its reset, up to max_retries times (`_map_segments`); an episode
+    with a copy still failing is recorded as an errored episode (no steps, reward 0, meta "error"), as in
+    run_episodes, and the others go on.
     """
     n_slots = pool.size // n_candidates
     if n_slots < 1:
@@ -455,12 +465,18 @@ def q_guided_episodes(
     results: dict[int, Trajectory] = {}
     calls_made = 0
 
-    def answers_or_raise(calls: list[tuple[int, str, tuple[Any, ...]]]) -> list[Any]:
-        answers = pool.map(calls)
-        for a in answers:
-            if isinstance(a, Exception):
-                raise AgentevoError(f"Q-guided inference: environment call failed: {a}") from a
-        return answers
+    def errored(ep: _Guided, exc: Exception) -> None:
+        traj = Trajectory(
+            task=ep.request.task, source="qlass", policy_id=policy.policy_id, instruction=instruction, steps=[],
+            final_reward=final_reward([], signal_env.final_reward_mode), success=False, goal=ep.goal,
+            meta={**ep.request.meta, **ep.counts, "error": str(exc)},
+        )
+        log.error("Q-guided episode %s: its environment crashed or hung past %d retries; recorded as an errored "
+                  "episode; last error: %s", ep.request.task.task_id, max_retries, exc)
+        results[id(ep.request)] = traj
+        free.append(ep.slot)
+        if on_done is not None:
+            on_done(ep.request, traj)
 
     def history(ep: _Guided) -> list[HistoryTurn]:
         return [HistoryTurn(s.action_ids, s.next_obs) for s in ep.steps]
@@ -470,8 +486,13 @@ def q_guided_episodes(
         while pending and free:
             starting.append(_Guided(pending.pop(), free.pop()))
         if starting:
-            resets = answers_or_raise([(ep.slot * n_candidates, "reset", (ep.request.task,)) for ep in starting])
-            for ep, (obs, info) in zip(starting, resets, strict=True):
+            resets = _map_segments(pool, [[(ep.slot * n_candidates, "reset", (ep.request.task,))] for ep in starting],
+                                   max_retries)
+            for ep, answer in zip(starting, resets, strict=True):
+                if isinstance(answer, Exception):
+                    errored(ep, answer)
+                    continue
+                ((obs, info),) = answer
                 ep.first_obs = ep.obs = obs
                 ep.goal = str(info.get("goal", ""))
                 ep.counts["resets"] += 1
@@ -485,8 +506,8 @@ def q_guided_episodes(
         calls_made += 1
         gens = policy.generate([p for p in prompts for _ in range(n_candidates)], seeded)
         # Execute every candidate in its own replayed copy of the episode.
-        calls: list[tuple[int, str, tuple[Any, ...]]] = []
-        where: dict[tuple[int, int], tuple[int, int]] = {}  # (episode, candidate) -> (first call, last call)
+        segments: list[list[Call]] = []  # one per executed candidate: reset, replay, step
+        where: dict[tuple[int, int], int] = {}  # (episode, candidate) -> its segment
         for e, ep in enumerate(active):
             chosen = [s.parsed_action for s in ep.steps if s.parsed_action is not None]
             for c in range(n_candidates):
@@ -494,15 +515,22 @@ def q_guided_episodes(
                 if action is None:
                     continue  # a format error never reaches the env: its outcome is known
                 w = ep.slot * n_candidates + c
-                first = len(calls)
-                calls.append((w, "reset", (ep.request.task,)))
-                calls.extend((w, "step", (a,)) for a in chosen)
-                calls.append((w, "step", (action,)))
-                where[(e, c)] = (first, len(calls) - 1)
+                where[(e, c)] = len(segments)
+                segments.append([(w, "reset", (ep.request.task,)), *((w, "step", (a,)) for a in chosen),
+                                 (w, "step", (action,))])
                 ep.counts["resets"] += 1
                 ep.counts["replay_steps"] += len(chosen)
                 ep.counts["candidate_steps"] += 1
-        answers = answers_or_raise(calls)
+        answers = _map_segments(pool, segments, max_retries)
+        broken = {e: answers[k] for (e, _), k in where.items() if isinstance(answers[k], Exception)}
+        for e, exc in broken.items():
+            errored(active[e], exc)
+        kept = [e for e in range(len(active)) if e not in broken]
+        if broken:  # drop the errored episodes from this step's bookkeeping
+            gens = [gens[e * n_candidates + c] for e in kept for c in range(n_candidates)]
+            prompts = [prompts[e] for e in kept]
+            where = {(kept.index(e), c): k for (e, c), k in where.items() if e not in broken}
+            active = [active[e] for e in kept]
         outcomes: list[list[tuple[str, float, bool, dict[str, Any]]]] = []
         to_score: list[tuple[int, int]] = []
         sequences: list[list[int]] = []
@@ -512,10 +540,10 @@ def q_guided_episodes(
             for c in range(n_candidates):
                 gen = gens[e * n_candidates + c]
                 if (e, c) in where:
-                    first, last = where[(e, c)]
-                    replayed = [answers[i][0] for i in range(first + 1, last)]
+                    segment = answers[where[(e, c)]]
+                    replayed = [answer[0] for answer in segment[1:-1]]
                     ep.counts["replay_mismatches"] += sum(a != b for a, b in zip(replayed, replay_obs, strict=True))
-                    per.append(answers[last])
+                    per.append(segment[-1])
                 else:
                     score_now = ep.steps[-1].score if ep.steps else 0.0
                     per.append((FORMAT_ERROR_OBSERVATION, 0.0, False, {"score": score_now, "success": False}))
@@ -567,6 +595,33 @@ def q_guided_episodes(
     return [results[id(r)] for r in requests if id(r) in results]
 
 
+def _map_segments(pool: Any, segments: list[list[Call]], max_retries: int) -> list[list[Any] | Exception]:
+    """Run independent call segments on the pool (each on its own env, starting with a reset): the answers of each,
+    or its last error. A segment whose env crashed or hung (EnvCrashedError) is run again from its reset on the
+    restarted env, up to max_retries times; any other error stops inference with a one-line AgentevoError."""
+    results: list[list[Any] | Exception] = [[] for _ in segments]
+    todo = list(range(len(segments)))
+    for attempt in range(max_retries + 1):
+        answers = iter(pool.map([call for k in todo for call in segments[k]]))
+        failed = []
+        for k in todo:
+            got = [next(answers) for _ in segments[k]]
+            error = next((a for a in got if isinstance(a, Exception)), None)
+            if error is not None and not isinstance(error, EnvCrashedError):
+                raise AgentevoError(f"Q-guided inference: environment call failed: {error}") from error
+            results[k] = got if error is None else error
+            if error is not None:
+                failed.append(k)
+                pool.restart(segments[k][0][0])
+                if attempt < max_retries:
+                    log.warning("Q-guided inference: env %d crashed or hung (%s); replaying its copy, retry %d/%d",
+                                segments[k][0][0], error, attempt + 1, max_retries)
+        todo = failed
+        if not todo:
+            break
+    return results
+
+
 def q_guided_evaluate(run: Run, policy: TransformersPolicy, qnet: QNet, label: str) -> dict[str, dict[str, Any]]:
     """Q-guided evaluation on the configured splits (stored as eval/<label>/<split>), with env-step counts."""
     cfg, q = run.cfg, run.cfg.qlass
@@ -589,7 +644,7 @@ def q_guided_evaluate(run: Run, policy: TransformersPolicy, qnet: QNet, label: s
                     policy, lambda seqs: qnet_scores(qnet, seqs, policy.pad_id, cfg.rollout.batch_size), pool, todo,
                     run.signal_env, run.signal_env.instruction(), cfg.agent.history_window,
                     Sampling(q.candidate_temperature, 1.0, cfg.agent.max_new_tokens, seed=cfg.seed * 31 + 7),
-                    q.n_candidates, q.terminal_uses_reward, cfg.optim.max_length, store,
+                    q.n_candidates, q.terminal_uses_reward, cfg.optim.max_length, store, cfg.rollout.max_retries,
                 )
         trajs = run.store.load(collection=collection)
         metrics = {**summarize(trajs), "task_hash": tasks.hash, "split": split}

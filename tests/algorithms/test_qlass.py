@@ -21,6 +21,7 @@ from agentevo.algorithms.qlass import (
 )
 from agentevo.data.types import Step, Trajectory
 from agentevo.envs.base import Task
+from agentevo.errors import AgentevoError, EnvCrashedError
 from agentevo.models.backend import Generation, Sampling
 from agentevo.rollout.engine import EpisodeRequest
 
@@ -136,7 +137,35 @@ class _ScriptedPolicy:
 VALUES = {"Action: a": 0.2, "Action: b": 0.7, "Action: c": 0.9, "Action: win": 0.1, "Thought: hmm": 0.05}
 
 
-def _guided(tiny_policy, script: list[list[str]], terminal_uses_reward: bool):  # noqa: ANN001, ANN202
+class _FlakyPool(_Pool):
+    """Env i's next crashes[i] 'step' calls fail with EnvCrashedError, and so do its later calls in that batch (a dead
+    env); restart(i) gives it a fresh env. error=True raises a plain error instead (not a crash)."""
+
+    def __init__(self, size: int, crashes: dict[int, int], error: bool = False) -> None:
+        super().__init__(size)
+        self.crashes, self.error, self.restarts = dict(crashes), error, []
+
+    def map(self, calls: list) -> list:
+        out, dead = [], set()
+        for i, method, args in calls:
+            if i in dead:
+                out.append(EnvCrashedError(f"env {i} is gone"))
+                continue
+            if method == "step" and self.crashes.get(i, 0) > 0:
+                self.crashes[i] -= 1
+                out.append(ValueError("bad action") if self.error else EnvCrashedError(f"env {i} crashed"))
+                dead.add(i)
+                continue
+            out.extend(super().map([(i, method, args)]))
+        return out
+
+    def restart(self, i: int) -> None:
+        self.restarts.append(i)
+        self.envs[i] = _Env()
+
+
+def _guided(tiny_policy, script: list[list[str]], terminal_uses_reward: bool, pool: _Pool | None = None,  # noqa: ANN001, ANN202
+            tasks: int = 1, max_retries: int = 3):
     policy = _ScriptedPolicy(tiny_policy.renderer, script)
     scored: list[list[int]] = []
     ids = {text: tiny_policy.renderer.encode_reply(text) for text in VALUES}
@@ -145,11 +174,12 @@ def _guided(tiny_policy, script: list[list[str]], terminal_uses_reward: bool):  
         scored.extend(seqs)
         return [next(v for text, v in VALUES.items() if s[-len(ids[text]):] == ids[text]) for s in seqs]
 
-    pool = _Pool(2)
+    pool = pool or _Pool(2)
     env = _Env()
-    (traj,) = q_guided_episodes(policy, score, pool, [EpisodeRequest(TASK, 0)], env, env.instruction(), 10,
-                                Sampling(0.7, 1.0, 16, seed=0), 2, terminal_uses_reward, 4096)
-    return traj, pool, policy, scored
+    trajs = q_guided_episodes(policy, score, pool, [EpisodeRequest(TASK, k) for k in range(tasks)], env,
+                              env.instruction(), 10, Sampling(0.7, 1.0, 16, seed=0), 2, terminal_uses_reward, 4096,
+                              max_retries=max_retries)
+    return (trajs[0] if tasks == 1 else trajs), pool, policy, scored
 
 
 def test_q_guided_selection_takes_the_argmax_and_counts_every_replayed_step(tiny_policy) -> None:  # noqa: ANN001
@@ -167,6 +197,37 @@ def test_q_guided_selection_takes_the_argmax_and_counts_every_replayed_step(tiny
     first_prompt = policy.prompts[0][0]
     assert scored[0] == first_prompt + tiny_policy.renderer.encode_reply("Action: a")
     assert len(scored) == 3
+
+
+def test_q_guided_selection_replays_a_crashed_copy_and_plays_on(tiny_policy) -> None:  # noqa: ANN001
+    script = [["Action: a", "Action: b"], ["Action: c", "Action: win"]]
+    clean, *_ = _guided(tiny_policy, script, terminal_uses_reward=True)
+    # env 1 (candidate b's copy) crashes on its first step, then on its replay of 'b' at step 2
+    traj, pool, *_ = _guided(tiny_policy, script, terminal_uses_reward=True, pool=_FlakyPool(2, {1: 2}))
+    assert [s.parsed_action for s in traj.steps] == ["b", "win"] and traj.success and "error" not in traj.meta
+    assert [s.next_obs for s in traj.steps] == [s.next_obs for s in clean.steps]
+    assert pool.restarts == [1, 1]
+    # each crashed copy is run again whole from its reset: 2 more resets; the steps that crashed never ran, so the
+    # steps that did are those of the clean run
+    assert pool.calls == {"reset": 5 + 2, "step": 6}
+
+
+def test_q_guided_selection_records_an_episode_that_keeps_crashing_and_goes_on(tiny_policy) -> None:  # noqa: ANN001
+    # two episodes on a pool of 4 (two copies each); env 3 (the second episode's 'b' copy) always crashes
+    script = [["Action: a", "Action: b"] * 2, ["Action: c", "Action: win"]]
+    trajs, pool, *_ = _guided(tiny_policy, script, terminal_uses_reward=True, pool=_FlakyPool(4, {3: 99}), tasks=2,
+                              max_retries=1)
+    first, second = trajs
+    assert [s.parsed_action for s in first.steps] == ["b", "win"] and first.success
+    assert second.steps == [] and not second.success and second.final_reward == 0.0
+    assert second.meta["error"] == "env 3 crashed"
+    assert pool.restarts == [3, 3]  # the try and its one retry
+
+
+def test_q_guided_selection_stops_on_an_env_error_that_is_not_a_crash(tiny_policy) -> None:  # noqa: ANN001
+    with pytest.raises(AgentevoError, match="Q-guided inference: environment call failed: bad action"):
+        _guided(tiny_policy, [["Action: a", "Action: b"]], terminal_uses_reward=True,
+                pool=_FlakyPool(2, {0: 1}, error=True))
 
 
 def test_q_guided_selection_can_value_terminal_candidates_by_the_qnet(tiny_policy) -> None:  # noqa: ANN001
