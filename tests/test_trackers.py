@@ -134,6 +134,32 @@ def test_a_failing_tracker_warns_once_and_metrics_jsonl_keeps_everything(tmp_pat
     assert [(r["phase"], r["step"]) for r in logger.records()] == [(p, s) for p, s, _ in RECORDS]
 
 
+def test_a_resumed_phase_does_not_send_its_replayed_steps_to_the_trackers_again(tmp_path: Path) -> None:
+    first = MetricsLogger(tmp_path)
+    first.report_to, first._trackers = ["fake"], [_FakeTracker()]
+    for step in range(1, 6):
+        first.log("bc/train", step, {"loss": 1.0 / step})
+    first.log("eval/bc/test", 0, {"success_rate": 0.25})
+    first.log_samples("eval/bc/test", 0, [_traj(0)])
+    # killed; `agentevo resume` opens the folder in a new process, the trainer restarts from its step-2 checkpoint
+    # and the evaluation, not yet in state.json, starts again
+    resumed = MetricsLogger(tmp_path)
+    tracker = _FakeTracker()
+    resumed.report_to, resumed._trackers = ["fake"], [tracker]
+    assert resumed.drop_after("bc/train", 2) == 3 and resumed.drop_after("eval/bc/test", -1) == 1
+    for step in range(3, 8):
+        resumed.log("bc/train", step, {"loss": 1.0 / step})
+    resumed.log("eval/bc/test", 0, {"success_rate": 0.25})
+    assert resumed.log_samples("eval/bc/test", 0, [_traj(0)]) == 0
+    resumed.log("eval/bc/test", 1, {"success_rate": 0.5})  # a later point of the same phase is new
+    assert [(p, s) for p, s, _ in tracker.logged] == [("bc/train", 6), ("bc/train", 7), ("eval/bc/test", 1)]
+    assert tracker.tables == []
+    # metrics.jsonl holds every record once
+    assert [(r["phase"], r["step"]) for r in resumed.records()] == [
+        *(("bc/train", s) for s in range(1, 3)), *(("bc/train", s) for s in range(3, 8)), ("eval/bc/test", 0),
+        ("eval/bc/test", 1)]
+
+
 # -- fake wandb / trackio modules: the adapters' calls, without the packages ---------------------------
 
 

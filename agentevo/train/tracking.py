@@ -43,6 +43,8 @@ class MetricsLogger:
         self.run_name = run_name or Path(run_dir).resolve().name
         self._trackers: list[Tracker] | None = None  # None: not started yet
         self._failed: set[str] = set()  # back-ends whose last write failed (one warning per outage)
+        # phase -> the highest step a resumed phase replays: the trackers got those records before the interruption
+        self._replayed: dict[str, int] = {}
 
     def log(self, phase: str, step: int, metrics: dict[str, Any]) -> None:
         """Write one record: the phase (e.g. 'bc/train', 'eval/bc/test'), a step counter and scalar metrics."""
@@ -53,7 +55,7 @@ class MetricsLogger:
         with open(self.path, "a") as fh:
             fh.write(json.dumps(record, default=float) + "\n")
         scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        if scalars:
+        if scalars and not self._sent_before(phase, step):
             for tracker in self.trackers():
                 self._guard(tracker, tracker.log, phase, step, scalars)
 
@@ -62,10 +64,16 @@ class MetricsLogger:
         trackers; metrics.jsonl keeps only scalars (the episodes are in experience.db). Returns the rows logged."""
         if not self.enabled or not self.samples or not self.report_to or not trajectories:
             return 0
+        if self._sent_before(phase, step):
+            return 0
         rows = sample_rows(trajectories[: self.samples])
         for tracker in self.trackers():
             self._guard(tracker, tracker.log_table, phase, step, list(SAMPLE_COLUMNS), rows)
         return len(rows)
+
+    def _sent_before(self, phase: str, step: int) -> bool:
+        """A record a resumed phase logs again (drop_after removed it from metrics.jsonl): the trackers have it."""
+        return step <= self._replayed.get(phase, step - 1)
 
     def trackers(self) -> list[Tracker]:
         """The started trackers (started here on first use)."""
@@ -128,12 +136,18 @@ class MetricsLogger:
 
     def drop_after(self, phase: str, step: int) -> int:
         """Remove the phase's records with a step above `step` (a resumed phase logs those steps again), and any
-        partial lines; the file is rewritten atomically. Returns how many records were dropped."""
+        partial lines; the file is rewritten atomically. The trackers, which received the dropped records before
+        the interruption, are not sent the replayed steps again (an exact resume logs the same values). Returns how
+        many records were dropped."""
         if not self.enabled or not self.path.exists():
             return 0
         lines = self.path.read_text().splitlines()
         records = self._read()
         keep = [r for r in records if not (r["phase"] == phase and isinstance(r.get("step"), int) and r["step"] > step)]
+        dropped = [r["step"] for r in records if r["phase"] == phase and isinstance(r.get("step"), int)
+                   and r["step"] > step]
+        if dropped:
+            self._replayed[phase] = max(self._replayed.get(phase, dropped[0]), *dropped)
         if len(keep) == len(lines):
             return 0
         write_text_atomic(self.path, "".join(json.dumps(r, default=float) + "\n" for r in keep))
