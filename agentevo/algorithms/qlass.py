@@ -497,6 +497,8 @@ def q_guided_episodes(
                 ep.goal = str(info.get("goal", ""))
                 ep.counts["resets"] += 1
                 active.append(ep)
+        if not active:  # every episode that started errored on its reset
+            continue
         # Sample N candidates per episode in one batched call.
         prompts = []
         for ep in active:

@@ -224,6 +224,18 @@ def test_q_guided_selection_records_an_episode_that_keeps_crashing_and_goes_on(t
     assert pool.restarts == [3, 3]  # the try and its one retry
 
 
+def test_q_guided_selection_records_an_episode_whose_reset_keeps_crashing(tiny_policy) -> None:  # noqa: ANN001
+    class ResetCrashes(_FlakyPool):
+        def map(self, calls: list) -> list:
+            return [EnvCrashedError("reset failed") if m == "reset" else None for _, m, _ in calls]
+
+    # nothing is generated for an episode that never started (the scripted policy would fail on an empty script)
+    traj, pool, policy, _ = _guided(tiny_policy, [], terminal_uses_reward=True, pool=ResetCrashes(2, {}),
+                                    max_retries=2)
+    assert traj.steps == [] and traj.meta["error"] == "reset failed" and policy.prompts == []
+    assert pool.restarts == [0, 0, 0]
+
+
 def test_q_guided_selection_stops_on_an_env_error_that_is_not_a_crash(tiny_policy) -> None:  # noqa: ANN001
     with pytest.raises(AgentevoError, match="Q-guided inference: environment call failed: bad action"):
         _guided(tiny_policy, [["Action: a", "Action: b"]], terminal_uses_reward=True,
