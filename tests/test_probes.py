@@ -180,6 +180,33 @@ def test_guide_probe_noise_at_random_spreads_the_demo_errors() -> None:
         make_env("probe-guide", noise_at="first")
 
 
+def test_guide_probe_demo_errors_puts_k_wrong_presses_in_each_noisy_demo() -> None:
+    """demo_errors=k errs at k distinct hashed lights per noisy demo, the first of them error_light(task); k=1 is the
+    single-error demo. With 12 lights and 4 errors, a policy copying the demos errs at a third of the presses."""
+    from agentevo.envs import make_env
+    from agentevo.errors import ConfigError
+
+    kw = {"n_lights": 12, "reward": "success", "expert_noise": 1.0, "n_train": 64, "noise_at": "random"}
+    env = make_env("probe-guide", demo_errors=4, **kw)
+    wrong = []
+    for task in env.tasks("train"):
+        demo = [a.removeprefix("press ") for a in env.expert(task)]
+        bad = [i for i, (c, want) in enumerate(zip(demo, task.params["lights"], strict=True)) if c != want]
+        assert bad == env.error_lights(task) and len(bad) == 4 and env.error_light(task) in bad
+        wrong += bad
+    assert len(wrong) / (64 * 12) == pytest.approx(1 / 3)
+    assert set(wrong) == set(range(12))  # spread over the row
+    assert [env.error_lights(t) for t in env.tasks("train")] == [
+        make_env("probe-guide", demo_errors=4, **kw).error_lights(t) for t in env.tasks("train")]  # fixed
+    one = make_env("probe-guide", **kw)  # demo_errors=1: the single hashed error light, as before
+    assert all(one.error_lights(t) == [one.error_light(t)] for t in one.tasks("train"))
+    with pytest.raises(ConfigError, match=r"demo_errors must be in \[1, n_lights = 6\], and above 1 only with "
+                                          r"noise_at: random \(got 2 with noise_at: second\)"):
+        make_env("probe-guide", n_lights=6, demo_errors=2)
+    with pytest.raises(ConfigError, match="got 13 with noise_at: random"):
+        make_env("probe-guide", demo_errors=13, **kw)
+
+
 # -- BC: the copy probe (the policy must read its observation) ------------------------------------------------------
 
 

@@ -376,7 +376,13 @@ class GuideProbe(_Probe):
 
     noise_at: where a noisy expert demo presses the wrong colour. 'second' (default) always errs at light 2, so a
     policy imitating the demos errs there too and a failed outcome still points at that light; 'random' errs at a
-    fixed, hashed light per task (uniform over the row), so a failure does not say which press was wrong."""
+    fixed, hashed light per task (uniform over the row), so a failure does not say which press was wrong.
+
+    demo_errors (noise_at 'random' only): how many presses a noisy demo gets wrong, at distinct hashed lights. A
+    policy imitating demos that all err at k of n lights errs at each light with probability k/n, so it wins an
+    episode with probability (1 - k/n)^n: with 12 lights and 4 errors, 0.8%. Then nearly every group of a few
+    rollouts is all failure and outcome-only GRPO has no gradient, while step verdicts still tell right presses
+    from wrong ones: the regime in which Self-Guide's step-level reward is the only learning signal."""
 
     name = "probe-guide"
     task_type = "guide"
@@ -386,18 +392,22 @@ class GuideProbe(_Probe):
 
     def __init__(self, max_steps: int | None = None, expert_noise: float = 0.0, n_train: int | None = None,
                  n_dev: int | None = None, n_test: int | None = None, n_lights: int = GUIDE_LIGHTS,
-                 reward: str = "score", noise_at: str = "second") -> None:
+                 reward: str = "score", noise_at: str = "second", demo_errors: int = 1) -> None:
         if not 2 <= n_lights <= 12:
             raise ConfigError(f"{self.name}: n_lights must be in [2, 12] (got {n_lights})")
         if reward not in GUIDE_REWARDS:
             raise ConfigError(f"{self.name}: reward must be one of {', '.join(GUIDE_REWARDS)} (got {reward!r})")
         if noise_at not in GUIDE_NOISE_AT:
             raise ConfigError(f"{self.name}: noise_at must be one of {', '.join(GUIDE_NOISE_AT)} (got {noise_at!r})")
+        if not 1 <= demo_errors <= n_lights or (demo_errors > 1 and noise_at != "random"):
+            raise ConfigError(f"{self.name}: demo_errors must be in [1, n_lights = {n_lights}], and above 1 only with "
+                              f"noise_at: random (got {demo_errors} with noise_at: {noise_at})")
         self.default_max_steps = n_lights  # the instance's floor for max_steps and its default
         super().__init__(max_steps, expert_noise, n_train, n_dev, n_test)
         self.n_lights = n_lights
         self.reward = reward
         self.noise_at = noise_at
+        self.demo_errors = demo_errors
 
     def task_params(self, split: str, k: int) -> dict[str, Any]:
         return {"lights": [_pick(COLOURS, "light", k, i) for i in range(self.n_lights)]}
@@ -446,10 +456,17 @@ class GuideProbe(_Probe):
             return 1
         return int(_unit("error-light", task.task_id) * self.n_lights)
 
+    def error_lights(self, task: Task) -> list[int]:
+        """The demo_errors lights (0-based, ascending) where this task's noisy demo errs: error_light(task) and, past
+        one error, the next lights in a fixed hashed order of the row."""
+        first = self.error_light(task)
+        rest = sorted((i for i in range(self.n_lights) if i != first), key=lambda i: _unit("error-lights", task.task_id, i))
+        return sorted([first, *rest[: self.demo_errors - 1]])
+
     def expert(self, task: Task) -> list[str]:
-        """Press each light's colour (a noisy demo presses the wrong colour at error_light(task))."""
+        """Press each light's colour (a noisy demo presses the wrong colour at error_lights(task))."""
         lights = list(task.params["lights"])
         if self.noisy(task):
-            i = self.error_light(task)
-            lights[i] = COLOURS[(COLOURS.index(lights[i]) + 1) % len(COLOURS)]
+            for i in self.error_lights(task):
+                lights[i] = COLOURS[(COLOURS.index(lights[i]) + 1) % len(COLOURS)]
         return [f"press {c}" for c in lights]
