@@ -160,3 +160,16 @@ for u in 3 6; do
     $P-const-s0-update-$u $P-step-s0-update-$u $P-none-s2-update-$u $P-lam0-s2-update-$u \
     $P-none-s2-update-$u $P-const-s2-update-$u
 done
+
+# A probe where outcome-only GRPO has (almost) no signal: 8 lights, reward only for an all-right episode, every demo
+# wrong at 3 distinct random lights (env.params.demo_errors=3), so a policy copying the demos wins (5/8)^8 = 2.3% of
+# episodes and ~91% of GRPO's groups of 4 are all failures, while the guides' step verdicts still separate right
+# presses from wrong ones. Evaluations are sampled in the run (T = 1, 4 episodes a task): greedy decoding is right at
+# every light from BC on. GRPO without guides first (is it stalled?), then the internal reward from update 1.
+sg8s() {  # NAME SEED [extra --set ...]
+  local name=$1 seed=$2; shift 2
+  sg $name $seed self --set env.params.n_lights=8 --set env.params.reward=success --set env.params.noise_at=random \
+    --set env.params.expert_noise=1.0 --set env.params.demo_errors=3 --set eval.temperature=1.0 --set eval.samples=4 "$@"
+}
+sg8s sg8s-none-s0 0 --set selfguide.guide=none
+sg8s sg8s-const-s0 0 --set selfguide.schedule=constant
