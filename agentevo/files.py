@@ -8,11 +8,14 @@ folder or the new one is whole on disk (resume code looks for NAME.old when NAME
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 def _remove(path: Path) -> None:
@@ -67,3 +70,14 @@ def replacing_dir(path: str | Path) -> Iterator[Path]:
     os.replace(tmp, path)
     if old.exists():
         _remove(old)
+
+
+def finish_interrupted_swap(path: str | Path) -> Path:
+    """A replacing_dir swap cut short between its two renames leaves NAME.old and no NAME: put the previous folder
+    back (with a warning) so a reader finds it; returns path."""
+    path = Path(path)
+    old = path.with_name(path.name + ".old")
+    if not path.exists() and old.is_dir():
+        os.replace(old, path)
+        log.warning("%s was missing after a save cut short; restored the previous one from %s", path, old.name)
+    return path

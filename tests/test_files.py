@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from agentevo.files import replacing, replacing_dir, write_text_atomic
+from agentevo.files import finish_interrupted_swap, replacing, replacing_dir, write_text_atomic
 
 
 class Boom(Exception):
@@ -65,3 +65,13 @@ def test_replacing_dir_recovers_from_a_crash_mid_swap(tmp_path: Path) -> None:
         (tmp / "weights").write_text("v2")
     assert (tmp_path / "ckpt" / "weights").read_text() == "v2"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_a_swap_cut_between_its_renames_is_finished_for_the_reader(tmp_path: Path, caplog) -> None:  # noqa: ANN001
+    (tmp_path / "latest.old").mkdir()
+    (tmp_path / "latest.old" / "state.json").write_text("{}")
+    assert finish_interrupted_swap(tmp_path / "latest") == tmp_path / "latest"
+    assert (tmp_path / "latest" / "state.json").read_text() == "{}" and not (tmp_path / "latest.old").exists()
+    assert "restored the previous one from latest.old" in caplog.text
+    finish_interrupted_swap(tmp_path / "latest")  # nothing to do when the folder is there
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]

@@ -288,6 +288,9 @@ def test_trainer_checkpoint_round_trip(tiny_policy, tmp_path) -> None:  # noqa: 
         assert torch.equal(a, b)
     sa, sb = trainer.optimizer.state_dict()["state"], other.optimizer.state_dict()["state"]
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k]["exp_avg"], sb[k]["exp_avg"]) for k in sa)
+    # a kill between the save's two renames leaves latest.old and no latest: restore finds the previous save
+    (tmp_path / "latest").rename(tmp_path / "latest.old")
+    assert PolicyTrainer(copy.deepcopy(tiny_policy), RunConfig(), cfg).restore(tmp_path / "latest") == {"update": 3}
 
 
 # ------------------------------------------------------------------------------------------- end to end

@@ -51,7 +51,7 @@ from agentevo.envs.base import Task
 from agentevo.errors import AgentevoError, ConfigError
 from agentevo.eval import diagnostics
 from agentevo.eval.metrics import summarize
-from agentevo.files import replacing_dir
+from agentevo.files import finish_interrupted_swap, replacing_dir
 from agentevo.models import placement
 from agentevo.models.backend import (
     DamagedCheckpointError,
@@ -327,7 +327,7 @@ class PolicyTrainer:
         (nothing in it runs); a damaged or refused checkpoint is a one-line error, since the updates it stands
         for are already recorded in state.json and cannot be replayed from an earlier point.
         """
-        if not (path / "state.json").exists():
+        if not (finish_interrupted_swap(path) / "state.json").exists():
             return None
         from safetensors.torch import load_file
 
