@@ -129,6 +129,13 @@ def test_other_methods_verdicts() -> None:
     assert held == ["pass", "warn"]
     assert [d.verdict for d in dg.selfguide_premise({"verdict_auc_success": 0.52,
                                                      "guide_format_error_rate": 0.0})] == ["warn", "pass"]
+    # the EPYC seed-3 internal-reward run at update 2 (docs/studies/real_model_probes): after 50 invalid actions the
+    # next guide said 'good' 47 times, and 40% of that update's actions were invalid
+    praise = dg.selfguide_premise({"verdict_good_on_flagged": 47 / 50, "flagged_judged": 50})
+    assert [(d.value, d.verdict) for d in praise] == [("0.94 of 50 flagged steps", "fail")]
+    assert "paying for actions the environment rejects" in praise[0].fix
+    assert [d.verdict for d in dg.selfguide_premise({"verdict_good_on_flagged": 0.3})] == ["warn"]
+    assert [d.verdict for d in dg.selfguide_premise({"verdict_good_on_flagged": 0.0})] == ["pass"]
     eto = dg.eto_dpo({"reward_margin": 0.4, "chosen_logp_drift": -3.0})
     assert [d.verdict for d in eto] == ["pass", "fail"] and "likelihood displacement" in eto[1].fix
 

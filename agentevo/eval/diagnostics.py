@@ -372,6 +372,16 @@ def selfguide_premise(v: dict[str, Any]) -> list[Diagnostic]:
                          v["verdict_auc_success"], grade(v["verdict_auc_success"], 0.55, 0.5),
                          "the internal reward does not track success: keep it off (selfguide.schedule=none) or "
                          "train the judging with oracle verdicts (selfguide.demo_verdicts=oracle)"))
+    if v.get("verdict_good_on_flagged") is not None:
+        # The internal reward pays each step by the next verdict: praise for a step the environment rejected pays
+        # for invalid actions, and the policy learns them (seen when self-judging drifted under RL).
+        rows.append(_row("verdicts that call a step the environment flagged (invalid, format, repeat) 'good'",
+                         v["verdict_good_on_flagged"],
+                         grade(v["verdict_good_on_flagged"], 0.2, 0.5, higher_is_better=False),
+                         "the internal reward is paying for actions the environment rejects: keep it off from here "
+                         "(selfguide.schedule=none) or lower selfguide.lambda_max, raise grpo.beta_kl, or use the last "
+                         "checkpoint whose verdicts on flagged steps held",
+                         f"{_fmt(v['verdict_good_on_flagged'])} of {_fmt(v.get('flagged_judged'))} flagged steps"))
     if v.get("guide_format_error_rate") is not None:
         rows.append(_row("replies without a parseable guide verdict (guide format lost)", v["guide_format_error_rate"],
                          grade(v["guide_format_error_rate"], 0.05, 0.2, higher_is_better=False),

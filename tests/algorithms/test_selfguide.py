@@ -306,6 +306,11 @@ def test_guide_stats_distribution_and_calibration(tiny_policy) -> None:  # noqa:
     # progress of the judged step: step1 +0.5 (judged at t2, verdict -1), step2 0 (judged at t3, +1), lose step1 +0.5
     assert stats["verdict_auc_progress"] == pytest.approx(0.0)
     assert stats["guide_tokens"] > 3
+    assert stats["verdict_good_on_flagged"] is None and stats["flagged_judged"] == 0  # no step was flagged
+    # the environment rejected win's step 2 (judged 'good' at t3) and lose's step 1 (judged 'bad' at t2)
+    win.steps[1].signal, lose.steps[0].signal = "invalid", "format"
+    flagged = guide_stats([win, lose], "before", make_masker(tiny_policy.tokenizer, "before"))
+    assert flagged["verdict_good_on_flagged"] == pytest.approx(1 / 2) and flagged["flagged_judged"] == 2
 
 
 def test_selfguide_recipe_one_update_end_to_end(tmp_path, capsys) -> None:  # noqa: ANN001

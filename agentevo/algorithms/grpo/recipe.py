@@ -448,7 +448,7 @@ def acting_policy(run: Run, trainer: PolicyTrainer, k: int) -> Any:
 
 
 DIAG_KEYS = ("zero_var_frac", "kl", "clip_frac_low", "clip_frac_high", "guide_agreement", "guide_steps",
-             "verdict_auc_success", "guide_format_error_rate")
+             "verdict_auc_success", "guide_format_error_rate", "verdict_good_on_flagged", "flagged_judged")
 
 
 def update_diagnostics(record: dict[str, Any]) -> dict[str, Any]:

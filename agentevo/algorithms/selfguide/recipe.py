@@ -73,7 +73,7 @@ from agentevo.algorithms.grpo.recipe import (
 from agentevo.algorithms.selfguide.config import SelfGuideConfig
 from agentevo.data.tensors import StepSample, collate, trajectory_samples
 from agentevo.data.types import Step, Trajectory
-from agentevo.envs.base import SIGNAL_FORMAT, SIGNAL_INVALID, SIGNAL_REPEAT
+from agentevo.envs.base import SIGNAL_FORMAT, SIGNAL_INVALID, SIGNAL_NONE, SIGNAL_REPEAT
 from agentevo.errors import ConfigError
 from agentevo.eval.diagnostics import guide_agreement
 from agentevo.eval.metrics import auc, eval_collection
@@ -262,8 +262,9 @@ def score_delta(steps: Sequence[Step], t: int) -> float:
 
 
 def guide_stats(trajs: Sequence[Trajectory], position: str, mask_fn: MaskFn) -> dict[str, float | None]:
-    """Verdict distribution (t >= 2), calibration AUCs, guide presence, format errors and length."""
-    verdicts, on_success, progress = [], [], []
+    """Verdict distribution (t >= 2), calibration AUCs, guide presence, format errors and length, and how often a
+    verdict praises ('good') a step the environment flagged (invalid action, format error, repeat)."""
+    verdicts, on_success, progress, on_flagged = [], [], [], []
     n_steps = missing = no_guide = 0
     lengths = []
     for traj in trajs:
@@ -277,6 +278,8 @@ def guide_stats(trajs: Sequence[Trajectory], position: str, mask_fn: MaskFn) -> 
                 verdicts.append(v)
                 on_success.append(traj.success)
                 progress.append(score_delta(traj.steps, s.t - 1) > 0)
+                if traj.steps[s.t - 2].signal != SIGNAL_NONE:
+                    on_flagged.append(v)
     n_v = max(1, len(verdicts))
     phi = [0 if v is None else v for v in verdicts]
     return {
@@ -286,6 +289,8 @@ def guide_stats(trajs: Sequence[Trajectory], position: str, mask_fn: MaskFn) -> 
         "verdict_missing": sum(v is None for v in verdicts) / n_v,
         "verdict_auc_success": auc(phi, on_success),
         "verdict_auc_progress": auc(phi, progress),
+        "verdict_good_on_flagged": sum(v == 1 for v in on_flagged) / len(on_flagged) if on_flagged else None,
+        "flagged_judged": len(on_flagged),
         "guide_missing_rate": no_guide / max(1, n_steps),
         "guide_format_error_rate": missing / max(1, n_steps),
         "guide_tokens": sum(lengths) / max(1, len(lengths)),
