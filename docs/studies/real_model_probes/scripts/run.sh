@@ -126,9 +126,10 @@ for u in 3 6; do
   .venv/bin/agentevo compare runs/cmp-sg/{none,lam0,const}-u$u-s? --baseline none-u$u --out runs/cmp-sg/vs-none-u$u
   .venv/bin/agentevo compare runs/cmp-sg/{lam0,const}-u$u-s? --baseline lam0-u$u --out runs/cmp-sg/vs-lam0-u$u
 done
-# seeds 1 and 3 on the EPYC (2026-12-06, two sessions; the Xeon's seed-1 folders were lost): lambda = 0 with its own
-# guided BC, GRPO without guides, sampled evaluations; then every arm vs GRPO without guides over the EPYC seeds
-for s in 1 3; do
+# seeds 1, 3 and 4 on the EPYC (2026-12-06, three sessions; the Xeon's seed-1 folders were lost; five seeds in all,
+# fixed before seed 4 ran): lambda = 0 with its own guided BC, GRPO without guides, sampled evaluations; then every
+# arm vs GRPO without guides over the EPYC seeds
+for s in 1 3 4; do
   sg6r sg6r-lam0-s$s $s --set selfguide.schedule=none --quiet
   sg6r sg6r-none-s$s $s --set selfguide.guide=none --quiet
   sampled lam0 $s bc none; sampled lam0 $s update-3 last; sampled lam0 $s update-6 all
