@@ -74,14 +74,15 @@ def test_unknown_game_parameter_is_a_config_error() -> None:
 def test_killed_jvm_raises_env_crashed_and_recovers(twx_env, caplog) -> None:  # noqa: ANN001
     task = twx_env.tasks("train")[0]
     twx_env.reset(task)
+    port = twx_env._env._gateway.gateway_parameters.port
     os.kill(twx_env.jvm_pid(), signal.SIGKILL)
     with pytest.raises(EnvCrashedError):
         for _ in range(3):
             twx_env.step("look around")
     assert twx_env.jvm_pid() is None
-    gc.collect()  # the dead JVM's object proxies
+    gc.collect()  # the dead JVM's object proxies (and any earlier test's garbage: only this JVM's port counts)
     # py4j's own retry of the failed call dials once; the shutdown and the proxies' finalizers do not (it was 7 times)
-    dials = [r for r in caplog.records if "trying to connect to the Java server" in r.getMessage()]
+    dials = [r for r in caplog.records if f"trying to connect to the Java server (127.0.0.1:{port})" in r.getMessage()]
     assert len(dials) <= 1
     gold = twx_env.expert(task)
     twx_env.reset(task)
