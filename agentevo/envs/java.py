@@ -40,14 +40,22 @@ def jvm_process(simulator: Any) -> Any:
     return getattr(getattr(simulator, "_gateway", None), "java_process", None)
 
 
-def shutdown_jvm(simulator: Any) -> None:
+def shutdown_jvm(simulator: Any, crashed: bool = False) -> None:
     """Close a py4j-backed simulator and make sure its JVM exits, whether it is alive, wedged or already dead.
 
     A dead JVM's py4j client is marked disconnected first, so that neither the shutdown nor the garbage collection of
     its Java object proxies dials the dead port again (each try logs a traceback). close() only asks the JVM to exit;
-    one still running 5 s later is killed, so crashed or wedged JVMs never pile up.
+    one still running 5 s later is killed, so crashed or wedged JVMs never pile up. crashed=True (a call to it just
+    failed) kills and reaps it first: a JVM killed a moment ago can have closed its socket before the OS reports it
+    exited, and a polite close would dial it.
     """
     proc = jvm_process(simulator)
+    if crashed and proc is not None and proc.poll() is None:
+        proc.kill()
+        try:
+            proc.wait(timeout=5)
+        except Exception:  # noqa: BLE001 - unkillable; the close below still marks what it can
+            pass
     if proc is not None and proc.poll() is not None:
         simulator._gateway._gateway_client.is_connected = False
     try:

@@ -306,17 +306,17 @@ class ScienceWorldEnv:
             self._loaded = None
         return self._env
 
-    def close(self) -> None:
-        """Shut the JVM down."""
+    def close(self, crashed: bool = False) -> None:
+        """Shut the JVM down (crashed: kill it without asking, see shutdown_jvm)."""
         env, self._env = self._env, None
         self._loaded = None
         self._task = None
         if env is not None:
-            shutdown_jvm(env)
+            shutdown_jvm(env, crashed)
 
     def restart(self) -> None:
         """Kill and forget the JVM; the next call starts a fresh one."""
-        self.close()
+        self.close(crashed=True)
 
     def jvm_pid(self) -> int | None:
         """The JVM's process id (tests kill it to check crash recovery)."""

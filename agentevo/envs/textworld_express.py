@@ -90,7 +90,9 @@ class _TWXBase:
 
     def restart(self) -> None:
         """Kill and forget the JVM; the next call starts a fresh one."""
-        self.close()
+        env, self._env = self._env, None
+        if env is not None:
+            shutdown_jvm(env, crashed=True)
 
     def jvm_pid(self) -> int | None:
         """The JVM's process id (tests kill it to check crash recovery)."""
