@@ -527,16 +527,12 @@ def q_guided_episodes(
         broken = {e: answers[k] for (e, _), k in where.items() if isinstance(answers[k], Exception)}
         for e, exc in broken.items():
             errored(active[e], exc)
-        kept = [e for e in range(len(active)) if e not in broken]
-        if broken:  # drop the errored episodes from this step's bookkeeping
-            gens = [gens[e * n_candidates + c] for e in kept for c in range(n_candidates)]
-            prompts = [prompts[e] for e in kept]
-            where = {(kept.index(e), c): k for (e, c), k in where.items() if e not in broken}
-            active = [active[e] for e in kept]
-        outcomes: list[list[tuple[str, float, bool, dict[str, Any]]]] = []
+        outcomes: dict[int, list[tuple[str, float, bool, dict[str, Any]]]] = {}  # by episode, errored ones left out
         to_score: list[tuple[int, int]] = []
         sequences: list[list[int]] = []
         for e, ep in enumerate(active):
+            if e in broken:
+                continue
             per = []
             replay_obs = [s.next_obs for s in ep.steps if s.parsed_action is not None]
             for c in range(n_candidates):
@@ -553,10 +549,12 @@ def q_guided_episodes(
                     seq = prompts[e] + list(gen.token_ids)
                     sequences.append(seq[-max_length:])
                     to_score.append((e, c))
-            outcomes.append(per)
+            outcomes[e] = per
         scored = dict(zip(to_score, score(sequences), strict=True)) if sequences else {}
         still = []
         for e, ep in enumerate(active):
+            if e in broken:
+                continue  # recorded by errored(), its slot freed
             scores_so_far = [s.score for s in ep.steps]
             values = []
             for c in range(n_candidates):
