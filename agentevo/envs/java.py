@@ -51,11 +51,7 @@ def shutdown_jvm(simulator: Any, crashed: bool = False) -> None:
     """
     proc = jvm_process(simulator)
     if crashed and proc is not None and proc.poll() is None:
-        proc.kill()
-        try:
-            proc.wait(timeout=5)
-        except Exception:  # noqa: BLE001 - unkillable; the close below still marks what it can
-            pass
+        _kill_and_reap(proc)
     if proc is not None and proc.poll() is not None:
         simulator._gateway._gateway_client.is_connected = False
     try:
@@ -66,11 +62,16 @@ def shutdown_jvm(simulator: Any, crashed: bool = False) -> None:
         try:
             proc.wait(timeout=5)
         except Exception:  # noqa: BLE001 - still alive after the polite request
-            proc.kill()  # SIGKILL ends even a stopped process
-            try:
-                proc.wait(timeout=5)
-            except Exception:  # noqa: BLE001 - unkillable (uninterruptible sleep); nothing more can be done here
-                pass
+            _kill_and_reap(proc)
+
+
+def _kill_and_reap(proc: Any) -> None:
+    """SIGKILL (it ends even a stopped process) and wait for the exit, up to 5 s."""
+    proc.kill()
+    try:
+        proc.wait(timeout=5)
+    except Exception:  # noqa: BLE001 - unkillable (uninterruptible sleep); nothing more can be done here
+        pass
 
 
 def kill_jvm(env: object) -> bool:

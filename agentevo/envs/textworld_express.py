@@ -82,17 +82,16 @@ class _TWXBase:
             self._env.load(gameName=self.game, gameParams=self.param_string)
         return self._env
 
-    def close(self) -> None:
-        """Shut the JVM down (killed if it does not exit; a dead one's bridge is not dialled again)."""
+    def close(self, crashed: bool = False) -> None:
+        """Shut the JVM down (killed if it does not exit; a dead one's bridge is not dialled again; crashed: kill it
+        without asking, see shutdown_jvm)."""
         env, self._env = self._env, None
         if env is not None:
-            shutdown_jvm(env)
+            shutdown_jvm(env, crashed)
 
     def restart(self) -> None:
         """Kill and forget the JVM; the next call starts a fresh one."""
-        env, self._env = self._env, None
-        if env is not None:
-            shutdown_jvm(env, crashed=True)
+        self.close(crashed=True)
 
     def jvm_pid(self) -> int | None:
         """The JVM's process id (tests kill it to check crash recovery)."""

@@ -143,11 +143,11 @@ class MetricsLogger:
             return 0
         lines = self.path.read_text().splitlines()
         records = self._read()
-        keep = [r for r in records if not (r["phase"] == phase and isinstance(r.get("step"), int) and r["step"] > step)]
-        dropped = [r["step"] for r in records if r["phase"] == phase and isinstance(r.get("step"), int)
-                   and r["step"] > step]
+        keep, dropped = [], []
+        for r in records:
+            (dropped if r["phase"] == phase and isinstance(r.get("step"), int) and r["step"] > step else keep).append(r)
         if dropped:
-            self._replayed[phase] = max(self._replayed.get(phase, dropped[0]), *dropped)
+            self._replayed[phase] = max(self._replayed.get(phase, step), *(r["step"] for r in dropped))
         if len(keep) == len(lines):
             return 0
         write_text_atomic(self.path, "".join(json.dumps(r, default=float) + "\n" for r in keep))
