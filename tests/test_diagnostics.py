@@ -51,6 +51,27 @@ def test_zero_variance_fraction() -> None:
     assert dg.zero_variance_fraction([]) is None
 
 
+def test_all_won_fraction_counts_only_equal_groups_that_all_succeeded() -> None:
+    rewards = [[1, 1], [0, 0], [1, 0], [0.5, 0.5]]
+    won = [[True, True], [False, False], [True, False], [True, False]]  # the last: equal rewards, one episode lost
+    assert dg.all_won_fraction(rewards, won) == pytest.approx(0.25)
+    assert dg.all_won_fraction([], []) is None
+    with pytest.raises(ValueError, match="2 groups of rewards but 1 of outcomes"):
+        dg.all_won_fraction([[1], [0]], [[True]])
+
+
+def test_solved_groups_are_not_graded_as_starved() -> None:
+    # the 8-light Self-Guide run at its last update (docs/studies/real_model_probes): 97% of rollouts won, so 7 of 8
+    # groups were all equal, all of them wins
+    (solved,) = dg.policy_update({"zero_var_frac": 0.875, "zero_var_won_frac": 0.875})
+    assert solved.name == "zero-variance groups that did not all succeed (no signal)"
+    assert (solved.value, solved.verdict) == ("0 (0.875 all equal, 0.875 all succeeded: solved)", "pass")
+    # GRPO without guides at update 1 of the same probe: 7 of 8 groups all failed
+    (starved,) = dg.policy_update({"zero_var_frac": 0.875, "zero_var_won_frac": 0.0})
+    assert starved.verdict == "fail" and starved.value.startswith("0.875 (0.875 all equal, 0 all succeeded")
+    assert dg.policy_update({"zero_var_frac": 0.75, "zero_var_won_frac": 0.125})[0].verdict == "warn"  # 0.625
+
+
 def test_guide_agreement() -> None:
     guides = ["ok Next: take knife. Verdict: good", "Next: open fridge.", None, "no next here", "Next: Take  Knife"]
     actions = ["take knife", "close fridge", "take knife", "look", "take knife"]
@@ -135,6 +156,10 @@ def test_other_methods_verdicts() -> None:
     assert [(d.value, d.verdict) for d in praise] == [("0.94 of 50 flagged steps", "fail")]
     assert "paying for actions the environment rejects" in praise[0].fix
     assert [d.verdict for d in dg.selfguide_premise({"verdict_good_on_flagged": 0.3})] == ["warn"]
+    # 1 of 3 flagged steps praised (the 8-light run's last update) is too few steps to grade
+    few = dg.selfguide_premise({"verdict_good_on_flagged": 1 / 3, "flagged_judged": 3})
+    assert [(d.value, d.verdict) for d in few] == [("0.333 of 3 flagged steps (too few to grade: under 10)", "n/a")]
+    assert dg.selfguide_premise({"verdict_good_on_flagged": 1 / 3, "flagged_judged": 10})[0].verdict == "warn"
     assert [d.verdict for d in dg.selfguide_premise({"verdict_good_on_flagged": 0.0})] == ["pass"]
     eto = dg.eto_dpo({"reward_margin": 0.4, "chosen_logp_drift": -3.0})
     assert [d.verdict for d in eto] == ["pass", "fail"] and "likelihood displacement" in eto[1].fix
@@ -328,7 +353,8 @@ def test_grpo_run_report_has_the_diagnostics_section(tmp_path) -> None:  # noqa:
     assert "## Diagnostics" in report and "### grpo, update 1: " in report
     assert "| diagnostic | value | verdict | what to change |" in report
     row = next(line for line in report.splitlines() if line.startswith("| zero-variance groups"))
-    verdict = dg.grade(diag[0]["zero_var_frac"], 0.5, 0.8, higher_is_better=False)
+    assert 0.0 <= diag[0]["zero_var_won_frac"] <= diag[0]["zero_var_frac"]
+    verdict = dg.grade(diag[0]["zero_var_frac"] - diag[0]["zero_var_won_frac"], 0.5, 0.8, higher_is_better=False)
     assert row.split(" | ")[2] == verdict
 
 

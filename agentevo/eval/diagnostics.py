@@ -95,6 +95,16 @@ def zero_variance_fraction(groups: Sequence[Sequence[float]]) -> float | None:
     return sum(1 for g in groups if len(set(g)) <= 1) / len(groups)
 
 
+def all_won_fraction(groups: Sequence[Sequence[float]], won: Sequence[Sequence[bool]]) -> float | None:
+    """Fraction of groups whose rewards are all equal because every episode succeeded: tasks the policy has solved,
+    which give no signal for a good reason (unlike groups that failed throughout); None without groups."""
+    if not groups:
+        return None
+    if len(won) != len(groups):
+        raise ValueError(f"all_won_fraction: {len(groups)} groups of rewards but {len(won)} of outcomes")
+    return sum(1 for g, w in zip(groups, won, strict=True) if len(set(g)) <= 1 and w and all(w)) / len(groups)
+
+
 _NEXT_RE = re.compile(r"Next:[ \t]*(.*?)(?:[ \t]*Verdict:|\n|$)")
 
 
@@ -286,11 +296,18 @@ def flagged_gap(d: dict[str, Any]) -> float | None:
 def policy_update(v: dict[str, Any]) -> list[Diagnostic]:
     """GRPO / DAPO (and Self-Guide's updates): reward variance within groups, KL to the reference, clipping."""
     rows = []
-    if "zero_var_frac" in v:
+    advice = ("pick tasks of mid difficulty, raise grpo.group_size or grpo.temperature: these groups give no "
+              "advantage (DAPO drops them)")
+    if "zero_var_frac" in v and v.get("zero_var_won_frac") is not None:
+        # Groups that all succeeded are solved tasks, not a starved update: grade only the others.
+        starved = max(0.0, v["zero_var_frac"] - v["zero_var_won_frac"])
+        rows.append(_row("zero-variance groups that did not all succeed (no signal)", starved,
+                         grade(starved, 0.5, 0.8, higher_is_better=False), advice,
+                         f"{_fmt(starved)} ({_fmt(v['zero_var_frac'])} all equal, {_fmt(v['zero_var_won_frac'])} "
+                         "all succeeded: solved)"))
+    elif "zero_var_frac" in v:
         rows.append(_row("zero-variance groups (all rewards equal)", v["zero_var_frac"],
-                         grade(v["zero_var_frac"], 0.5, 0.8, higher_is_better=False),
-                         "pick tasks of mid difficulty, raise grpo.group_size or grpo.temperature: "
-                         "these groups give no advantage (DAPO drops them)"))
+                         grade(v["zero_var_frac"], 0.5, 0.8, higher_is_better=False), advice))
     if "kl" in v:
         rows.append(_row("KL to the reference (k3, per token)", v["kl"], grade(v["kl"], 0.1, 0.5, False),
                          "lower grpo.lr or raise grpo.beta_kl"))
@@ -348,6 +365,9 @@ def rsd_premise(v: dict[str, Any]) -> list[Diagnostic]:
     return rows
 
 
+MIN_FLAGGED_JUDGED = 10  # [O] below this many flagged steps the share praised is one or two steps' noise
+
+
 def selfguide_premise(v: dict[str, Any]) -> list[Diagnostic]:
     """Self-Guide: do guides help, and does the action follow the guide's 'Next:'?"""
     rows = []
@@ -375,13 +395,16 @@ def selfguide_premise(v: dict[str, Any]) -> list[Diagnostic]:
     if v.get("verdict_good_on_flagged") is not None:
         # The internal reward pays each step by the next verdict: praise for a step the environment rejected pays
         # for invalid actions, and the policy learns them (seen when self-judging drifted under RL).
+        n = v.get("flagged_judged")
+        few = n is not None and n < MIN_FLAGGED_JUDGED
         rows.append(_row("verdicts that call a step the environment flagged (invalid, format, repeat) 'good'",
                          v["verdict_good_on_flagged"],
-                         grade(v["verdict_good_on_flagged"], 0.2, 0.5, higher_is_better=False),
+                         NA if few else grade(v["verdict_good_on_flagged"], 0.2, 0.5, higher_is_better=False),
                          "the internal reward is paying for actions the environment rejects: keep it off from here "
                          "(selfguide.schedule=none) or lower selfguide.lambda_max, raise grpo.beta_kl, or use the last "
                          "checkpoint whose verdicts on flagged steps held",
-                         f"{_fmt(v['verdict_good_on_flagged'])} of {_fmt(v.get('flagged_judged'))} flagged steps"))
+                         f"{_fmt(v['verdict_good_on_flagged'])} of {_fmt(n)} flagged steps"
+                         + (f" (too few to grade: under {MIN_FLAGGED_JUDGED})" if few else "")))
     if v.get("guide_format_error_rate") is not None:
         rows.append(_row("replies without a parseable guide verdict (guide format lost)", v["guide_format_error_rate"],
                          grade(v["guide_format_error_rate"], 0.05, 0.2, higher_is_better=False),

@@ -14,6 +14,7 @@ from agentevo.algorithms.grpo.config import GRPOConfig
 from agentevo.algorithms.grpo.recipe import (
     PolicyTrainer,
     add_ref_logprobs,
+    group_diagnostics,
     group_requests,
     group_returns,
     grpo_loss,
@@ -370,3 +371,16 @@ def test_on_policy_rollouts_follow_the_backend(tmp_path) -> None:  # noqa: ANN00
     check_on_policy_backend(FakeRun("vllm"))
     with pytest.raises(ConfigError, match="grpo rolls out with the policy it is training, but model.backend: http"):
         check_on_policy_backend(FakeRun("http"))
+
+
+def test_group_diagnostics_separates_solved_groups_from_starved_ones(tiny_policy) -> None:  # noqa: ANN001
+    def group(*rewards: float) -> list[Trajectory]:
+        return [_traj(tiny_policy, ["look"], reward=r, with_logprobs=False) for r in rewards]
+
+    groups = [group(1.0, 1.0), group(0.0, 0.0), group(1.0, 0.0), group(1.0, 1.0)]
+    assert group_diagnostics(groups, GRPOConfig()) == {"zero_var_frac": 0.75, "zero_var_won_frac": 0.5}
+    # a return penalty makes a won group unequal when one episode was flagged: it carries signal again
+    flagged = [_traj(tiny_policy, ["look"], 1.0, signals=["invalid"], with_logprobs=False), group(1.0)[0]]
+    got = group_diagnostics([flagged], GRPOConfig(invalid_penalty=0.1, penalty_mode="return"))
+    assert got == {"zero_var_frac": 0.0, "zero_var_won_frac": 0.0}
+    assert group_diagnostics([], GRPOConfig()) == {}

@@ -447,8 +447,8 @@ def acting_policy(run: Run, trainer: PolicyTrainer, k: int) -> Any:
     return run.rollout_policy(name, policy_id=f"update-{k - 1}")
 
 
-DIAG_KEYS = ("zero_var_frac", "kl", "clip_frac_low", "clip_frac_high", "guide_agreement", "guide_steps",
-             "verdict_auc_success", "guide_format_error_rate", "verdict_good_on_flagged", "flagged_judged")
+DIAG_KEYS = ("zero_var_frac", "zero_var_won_frac", "kl", "clip_frac_low", "clip_frac_high", "guide_agreement",
+             "guide_steps", "verdict_auc_success", "guide_format_error_rate", "verdict_good_on_flagged", "flagged_judged")
 
 
 def update_diagnostics(record: dict[str, Any]) -> dict[str, Any]:
@@ -458,9 +458,14 @@ def update_diagnostics(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def group_diagnostics(groups: Sequence[Sequence[Trajectory]], cfg: GRPOConfig) -> dict[str, Any]:
-    """Fraction of groups whose returns (as the advantages see them) are all equal: no GRPO signal."""
-    frac = diagnostics.zero_variance_fraction([group_returns(g, cfg).tolist() for g in groups])
-    return {} if frac is None else {"zero_var_frac": frac}
+    """Fraction of groups whose returns (as the advantages see them) are all equal: no GRPO signal; and of them,
+    the groups in which every episode succeeded (solved tasks, graded apart from starved ones)."""
+    returns = [group_returns(g, cfg).tolist() for g in groups]
+    frac = diagnostics.zero_variance_fraction(returns)
+    if frac is None:
+        return {}
+    won = diagnostics.all_won_fraction(returns, [[bool(t.success) for t in g] for g in groups])
+    return {"zero_var_frac": frac, "zero_var_won_frac": won}
 
 
 @dataclass
