@@ -172,5 +172,17 @@ sg8s() {  # NAME SEED [extra --set ...]
   sg $name $seed self --set env.params.n_lights=8 --set env.params.reward=success --set env.params.noise_at=random \
     --set env.params.expert_noise=1.0 --set env.params.demo_errors=3 --set eval.temperature=1.0 --set eval.samples=4 "$@"
 }
-sg8s sg8s-none-s0 0 --set selfguide.guide=none
-sg8s sg8s-const-s0 0 --set selfguide.schedule=constant
+# Three seeds, fixed before seed 0's internal-reward arm was read (2026-12-06, EPYC). lambda = 0 (guides written and
+# kept, outcome-only advantages) starts from the constant arm's guided BC of the same seed, so it isolates the
+# internal reward from the guides' effect in context.
+for s in 0 1 2; do
+  sg8s sg8s-none-s$s $s --set selfguide.guide=none --quiet
+  sg8s sg8s-const-s$s $s --set selfguide.schedule=constant --quiet
+  sg8s sg8s-lam0-s$s $s --set selfguide.schedule=none --set bc.warm_start_from=runs/real/sg8s-const-s$s --quiet
+  .venv/bin/python $S/verdict_check.py runs/real/sg8s-const-s$s
+done
+# evaluations are in the runs (sampled, the same 128 seeded episodes per point): pair the arms by point per seed
+.venv/bin/agentevo compare runs/real/sg8s-{none,const,lam0}-s? --baseline sg8s-none --out runs/cmp-sg8s/vs-none
+.venv/bin/agentevo compare runs/real/sg8s-{const,lam0}-s? --baseline sg8s-lam0 --out runs/cmp-sg8s/vs-lam0
+for a in none const lam0; do
+  .venv/bin/agentevo compare runs/real/sg8s-$a-s? --baseline-point bc --out runs/cmp-sg8s/$a-vs-bc; done
