@@ -88,11 +88,15 @@ def std(xs: Sequence[float]) -> float:
     return float(torch.tensor(list(xs), dtype=torch.float64).std(unbiased=False))
 
 
+def _all_equal(rewards: Sequence[float]) -> bool:
+    return len(set(rewards)) <= 1
+
+
 def zero_variance_fraction(groups: Sequence[Sequence[float]]) -> float | None:
     """Fraction of groups whose rewards are all equal (no GRPO signal); None without groups."""
     if not groups:
         return None
-    return sum(1 for g in groups if len(set(g)) <= 1) / len(groups)
+    return sum(1 for g in groups if _all_equal(g)) / len(groups)
 
 
 def all_won_fraction(groups: Sequence[Sequence[float]], won: Sequence[Sequence[bool]]) -> float | None:
@@ -102,7 +106,7 @@ def all_won_fraction(groups: Sequence[Sequence[float]], won: Sequence[Sequence[b
         return None
     if len(won) != len(groups):
         raise ValueError(f"all_won_fraction: {len(groups)} groups of rewards but {len(won)} of outcomes")
-    return sum(1 for g, w in zip(groups, won, strict=True) if len(set(g)) <= 1 and w and all(w)) / len(groups)
+    return sum(1 for g, w in zip(groups, won, strict=True) if _all_equal(g) and w and all(w)) / len(groups)
 
 
 _NEXT_RE = re.compile(r"Next:[ \t]*(.*?)(?:[ \t]*Verdict:|\n|$)")
