@@ -333,3 +333,28 @@ def test_train_help_lists_the_recipes(capsys: pytest.CaptureFixture[str]) -> Non
         main(["train", "--help"])
     out = capsys.readouterr().out
     assert "recipes: " + ", ".join(RECIPES) in out and "qevolve" in out
+
+
+def test_a_later_point_is_not_read_against_an_earlier_one_of_the_same_series(tmp_path: Path) -> None:
+    # the baseline is still running (no update-6 yet): the arm's update-6 is not paired with its update-3, and the
+    # sentence reads the last point both have; BC-style fallbacks (another series) still pair
+    base = _run(tmp_path, "none-s0", {"bc": 0.0, "update-3": 0.25}, env="twx", task_hash="h",
+                outcomes={"bc": [0, 0, 0, 0], "update-3": [1, 0, 0, 0]})
+    arm = _run(tmp_path, "sg-s0", {"bc": 0.0, "update-3": 0.75, "update-6": 1.0}, env="twx", task_hash="h",
+               outcomes={"bc": [0, 0, 0, 0], "update-3": [1, 1, 1, 0], "update-6": [1, 1, 1, 1]})
+    result = compare([base, arm], "test", tmp_path / "out")
+    rows = result.paired_table.splitlines()[2:]
+    assert rows[0].startswith("| sg | bc | 1 | 4 | +0.0 |")
+    assert rows[1].startswith("| sg | update-3 | 1 | 4 | +50.0 |")  # 2 better / 0 worse
+    assert rows[2] == ("| sg | update-6 vs update-3 | not paired: the baseline has no update-6 (its last evaluation "
+                       "is update-3: still running or a shorter run); compare at a point both have | | | | | | | |")
+    assert len(rows) == 3
+    assert result.sentences[0].startswith("- **sg** (update-3; none at update-3): difference vs none: +50.0 points")
+    # the other way round the arm is the shorter run: update-3 pairs with update-3, and no update-3 vs update-6 row
+    rows = compare([arm, base], "test", tmp_path / "o2").paired_table.splitlines()[2:]
+    assert [r.split(" | ")[1] for r in rows] == ["bc", "update-3"]
+    # another series still falls back to the baseline's last point (GRPO's update-3 vs a BC-only run's bc)
+    bc = _run(tmp_path, "bc-s0", {"bc": 0.25}, env="twx", task_hash="h", outcomes={"bc": [1, 0, 0, 0]})
+    rows = compare([bc, arm], "test", tmp_path / "o3").paired_table.splitlines()[2:]
+    assert [r.split(" | ")[1] for r in rows] == ["bc", "update-3 vs bc", "update-6 vs bc"]
+    assert rows[2].startswith("| sg | update-6 vs bc | 1 | 4 | +75.0 |")

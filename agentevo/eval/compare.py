@@ -281,9 +281,20 @@ def pair_arms(arm: Group, base: Group, label: str, base_label: str, split: str, 
     return Paired(arm.name, label, base_label, paired_difference(arm_m, base_m, n_boot, BOOT_SEED))
 
 
+_SERIES = re.compile(r"-?\d+$")
+
+
+def series(label: str) -> str:
+    """The kind of evaluation point without its count: update-6 -> update, round-2 -> round, eto-iter-3 -> eto-iter."""
+    return _SERIES.sub("", label)
+
+
 def paired_rows(groups: list[Group], base: Group, split: str, metric: str, n_boot: int = N_BOOT) -> list[Paired]:
     """Every other arm vs the baseline: each of the arm's evaluation points against the baseline's point of the
-    same label, or its last one where it has no such label (GRPO's update-6 vs BC), then last point vs last point."""
+    same label, or its last one where it has no such label (GRPO's update-6 vs BC), then last point vs last point.
+
+    A point is not read against the baseline's last one of the same series (update-6 vs update-3): the baseline
+    has not got there (still running, or a shorter run), and the row says so instead of pairing unequal budgets."""
     rows = []
     for g in groups:
         if g is base:
@@ -294,7 +305,14 @@ def paired_rows(groups: list[Group], base: Group, split: str, metric: str, n_boo
         final = (list(g.points)[-1], base_last) if g.points and base_last is not None else None
         if final and final not in compared:
             compared.append(final)
-        rows += [pair_arms(g, base, a, b, split, metric, n_boot) for a, b in compared]
+        for a, b in compared:
+            if a != b and series(a) == series(b):
+                if a in base.points:  # the arm is the shorter run: already paired at its own last point
+                    continue
+                rows.append(Paired(g.name, a, b, None, f"the baseline has no {a} (its last evaluation is {b}: still "
+                                                       f"running or a shorter run); compare at a point both have"))
+            else:
+                rows.append(pair_arms(g, base, a, b, split, metric, n_boot))
     return rows
 
 
@@ -440,6 +458,7 @@ def compare(run_dirs: list[Path], split: str, out: Path, metric: str = "success"
             else paired_rows(groups, base, split, metric, n_boot))
     p_table = paired_table(rows) if rows else ""
     finals = {p.arm: p for p in rows}  # an arm's last row is its last evaluation vs the baseline's last
+    finals |= {p.arm: p for p in rows if p.result is not None}  # or the last one that could be paired
     base_name = "" if baseline_point is not None else base.name
     sentences = [paired_sentence(finals[g.name], base_name) for g in groups if g.name in finals]
     plot_groups(groups, labels, out / "compare.png", metric)
