@@ -8,7 +8,9 @@ import torch
 
 from agentevo.agent.prompt import HistoryTurn, parse_action
 from agentevo.algorithms.advantages import trust_weight
+from agentevo.algorithms.grpo.config import GRPOConfig
 from agentevo.algorithms.grpo.recipe import label_sample
+from agentevo.algorithms.selfguide.config import SelfGuideConfig
 from agentevo.algorithms.selfguide.recipe import (
     GuidedActor,
     GuidedExpertActor,
@@ -16,6 +18,7 @@ from agentevo.algorithms.selfguide.recipe import (
     auc,
     continuation_logprobs,
     detour_flags,
+    group_step_advantages,
     guide_stats,
     guide_token_mask,
     guided_history,
@@ -187,6 +190,35 @@ def test_internal_returns_normalised_per_step_index() -> None:
     assert a.tolist() == pytest.approx([-0.7071, -0.7071, 0.0, 0.0], abs=1e-4)
     assert b.tolist() == pytest.approx([0.7071, 0.7071, 0.0], abs=1e-4)
     assert normalise_per_step_index([]) == [] and normalise_per_step_index([[2.0, 3.0]])[0].tolist() == [0.0, 0.0]
+
+
+def test_group_advantages_with_the_invalid_action_penalty() -> None:
+    """An all-fail group of two (R = 0, 0): A praises its own invalid step 2, B calls its step 1 bad. int_norm step,
+    gamma 0.5: r_int A [1, 1, 0], B [-1, 1, 0] -> G [1.5, 1, 0] and [-0.5, 1, 0] -> per step index +-0.7071 at t=1,
+    0 after. lambda 0.5 -> step terms +-0.3536 at t=1. Without a penalty A_env is 0 (equal returns); a return
+    penalty of 0.1 makes R [-0.1, 0] -> A_env -/+0.7071, so the failed group carries signal against the invalid
+    step; a step penalty puts -0.1 on that step's term only; DAPO drops the group only when the returns tie."""
+    def traj(signals: list[str]) -> Trajectory:
+        steps = [Step(t, "", "", [], None, "press red", "", 0.0, False, signal=sig) for t, sig in
+                 enumerate(signals, start=1)]
+        return Trajectory(Task("probe-guide", "t0", "train", "lights"), "self", "p", "", steps, 0.0, False)
+
+    group = [traj(["none", "invalid", "none"]), traj(["none", "none", "none"])]
+    verdicts = [[None, 1, 1], [None, -1, 1]]
+    sg = SelfGuideConfig(int_norm="step", gamma_int=0.5)
+    (a_env, terms, a_int), (b_env, b_terms, b_int) = group_step_advantages(group, verdicts, 0.5, GRPOConfig(), sg)
+    assert (a_env, b_env) == (0.0, 0.0)
+    assert a_int == pytest.approx([0.7071, 0.0, 0.0], abs=1e-4) and b_int == pytest.approx([-0.7071, 0.0, 0.0], abs=1e-4)
+    assert terms == pytest.approx([0.3536, 0.0, 0.0], abs=1e-4) and b_terms == pytest.approx([-0.3536, 0, 0], abs=1e-4)
+    ret = group_step_advantages(group, verdicts, 0.5, GRPOConfig(invalid_penalty=0.1), sg)
+    assert [r[0] for r in ret] == pytest.approx([-0.7071, 0.7071], abs=1e-4)
+    assert ret[0][1] == pytest.approx(terms) and ret[1][1] == pytest.approx(b_terms)
+    step = group_step_advantages(group, verdicts, 0.5, GRPOConfig(invalid_penalty=0.1, penalty_mode="step"), sg)
+    assert [r[0] for r in step] == [0.0, 0.0]
+    assert step[0][1] == pytest.approx([0.3536, -0.1, 0.0], abs=1e-4) and step[1][1] == pytest.approx(b_terms)
+    assert group_step_advantages(group, verdicts, 0.5, GRPOConfig(drop_equal_groups=True), sg) is None
+    kept = group_step_advantages(group, verdicts, 0.5, GRPOConfig(drop_equal_groups=True, invalid_penalty=0.1), sg)
+    assert kept is not None and [r[0] for r in kept] == pytest.approx([-0.7071, 0.7071], abs=1e-4)
 
 
 def test_trust_schedule_and_stages_at_breakpoints() -> None:

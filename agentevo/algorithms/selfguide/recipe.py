@@ -53,6 +53,7 @@ from agentevo.algorithms.advantages import (
     trust_weight,
 )
 from agentevo.algorithms.bc import WARM_START_PHASES, _TextOnlyRenderer, import_warm_start, nll_loss
+from agentevo.algorithms.grpo.config import GRPOConfig
 from agentevo.algorithms.grpo.recipe import (
     Labelled,
     acting_policy,
@@ -238,6 +239,22 @@ def internal_advantages(group_verdicts: Sequence[Sequence[int | None]], gamma_in
     if norm == "step":
         return normalise_per_step_index(returns, eps=eps)
     return returns
+
+
+def group_step_advantages(group: Sequence[Trajectory], verdicts: Sequence[Sequence[int | None]], lam: float,
+                          g: GRPOConfig, sg: SelfGuideConfig) -> list[tuple[float, list[float], list[float]]] | None:
+    """Per trajectory of one group: (A_env, lam x Â_int + invalid-action penalty per step, Â_int per step), or None
+    when DAPO drops the group. A_env is group-normalised over R (minus grpo.invalid_penalty x flagged steps in
+    penalty_mode 'return'); in penalty_mode 'step' the penalty is added to the flagged step's term instead."""
+    a_env = outcome_advantages(group_returns(group, g), g)
+    if a_env is None:
+        return None
+    a_int = internal_advantages(verdicts, sg.gamma_int, sg.int_norm, g.adv_eps)
+    out = []
+    for traj, a, ai in zip(group, a_env.tolist(), a_int, strict=True):
+        terms = [lam * x + pen for x, pen in zip(ai.tolist(), step_penalties(traj, g), strict=True)]
+        out.append((a, terms, ai.tolist()))
+    return out
 
 
 def token_advantages(masks: Sequence[Sequence[bool]], a_env: float, step_terms: Sequence[float],
@@ -651,15 +668,13 @@ def run(run: Run) -> dict[str, Any]:
             out.extra.update(agreement_stats(trajs, sg.guide_position))
         int_abs: list[float] = []
         for group in groups:
-            a_env = outcome_advantages(group_returns(group, g), g)
-            if a_env is None:
+            verdicts = [[parse_guide(s.action_text, sg.guide_position)[1] for s in t.steps] for t in group]
+            per_traj = group_step_advantages(group, verdicts, lam, g, sg)
+            if per_traj is None:
                 continue
             out.extra["groups_kept"] = out.extra.get("groups_kept", 0) + 1
-            verdicts = [[parse_guide(s.action_text, sg.guide_position)[1] for s in t.steps] for t in group]
-            a_int = internal_advantages(verdicts, sg.gamma_int, sg.int_norm, g.adv_eps)
-            for traj, a, ai in zip(group, a_env.tolist(), a_int, strict=True):
-                int_abs += ai.abs().tolist()
-                terms = [lam * x + p for x, p in zip(ai.tolist(), step_penalties(traj, g), strict=True)]
+            for traj, (a, terms, ai) in zip(group, per_traj, strict=True):
+                int_abs += [abs(x) for x in ai]
                 token_adv = token_advantages([mask_fn(s.action_ids) for s in traj.steps], a, terms,
                                              sg.guide_tokens_adv)
                 rows = guided_samples(policy.renderer, traj, len(out.samples), window, max_len,
