@@ -1,4 +1,4 @@
-"""The `agentevo` command: train, eval, report, resume, envs."""
+"""The `agentevo` command: train, eval, report, resume, compare, archive, export, import, envs."""
 
 from __future__ import annotations
 
@@ -262,6 +262,16 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_archive(args: argparse.Namespace) -> int:
+    from agentevo.data.archive import DEFAULT_COLLECTIONS, archive_run
+
+    for run_dir in args.run_dirs:
+        summary = archive_run(Path(run_dir), Path(args.out), args.collection or DEFAULT_COLLECTIONS,
+                              steps=not args.no_steps)
+        print(summary.line(Path(run_dir)))
+    return 0
+
+
 def cmd_import(args: argparse.Namespace) -> int:
     from agentevo.data.export import import_file
 
@@ -343,6 +353,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--collection", action="append", help="only these collections (repeatable; default all)")
     p.add_argument("--out", help="output folder (default RUN_DIR/export)")
     p.set_defaults(fn=cmd_export)
+
+    p = sub.add_parser("archive", help="a run's record without its weights (config, state, metrics, report, and "
+                                       "the evaluations' trajectories), small enough to commit beside a study; "
+                                       "compare and report read the archive like the run")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    p.add_argument("--out", required=True, help="folder the archives go in, one OUT/NAME per run (replaced whole)")
+    p.add_argument("--collection", action="append", metavar="PATTERN",
+                   help="trajectories of the collections matching this SQL LIKE pattern (repeatable; default "
+                        "'eval/%%', the evaluations; add e.g. 'update-%%' for a GRPO run's rollouts)")
+    p.add_argument("--no-steps", action="store_true",
+                   help="keep only each trajectory's outcome (what compare reads), not its steps")
+    p.set_defaults(fn=cmd_archive)
 
     p = sub.add_parser("import", help="trajectories from a file (our steps/trajectory export, or the plain format "
                                       "of docs/data.md) into a run's store")
