@@ -1,4 +1,4 @@
-"""The `agentevo` command: train, eval, report, resume, compare, archive, export, import, envs."""
+"""The `agentevo` command: train, eval, report, resume, compare, study, archive, export, import, envs."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +50,7 @@ def _run_recipe(run: Run) -> int:
     from agentevo import dist
     from agentevo.eval.report import write_report
     from agentevo.recipes import DISTRIBUTED_RECIPES, get_recipe
+    from agentevo.study import FINISHED
 
     if dist.world_size() > 1 and run.cfg.method not in DISTRIBUTED_RECIPES:
         run.close()
@@ -58,6 +60,7 @@ def _run_recipe(run: Run) -> int:
         )
     try:
         results = get_recipe(run.cfg.method)(run)
+        run.phase(FINISHED, lambda: {"at": time.strftime("%Y-%m-%dT%H:%M:%S")})  # what `agentevo study` skips
         report = write_report(run) if run.main else None
     finally:
         run.close()
@@ -272,6 +275,13 @@ def cmd_archive(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_study(args: argparse.Namespace) -> int:
+    from agentevo.study import load_study, run_study
+
+    run_study(load_study(args.file), dry_run=args.dry_run, quiet=not args.progress, seeds=args.seed)
+    return 0
+
+
 def cmd_import(args: argparse.Namespace) -> int:
     from agentevo.data.export import import_file
 
@@ -353,6 +363,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--collection", action="append", help="only these collections (repeatable; default all)")
     p.add_argument("--out", help="output folder (default RUN_DIR/export)")
     p.set_defaults(fn=cmd_export)
+
+    p = sub.add_parser("study", help="arms x seeds of `agentevo train` from one study file, in order, each resumed "
+                                     "where it stopped, archived and compared at the end (agentevo/study.py)")
+    p.add_argument("file", help="study YAML (configs/study/*.study.yaml)")
+    p.add_argument("--dry-run", action="store_true", help="print the runs, their status and commands; run nothing")
+    p.add_argument("--progress", action="store_true", help="progress bars in each run (default: plain lines)")
+    p.add_argument("--seed", action="append", type=int, help="only this seed (repeatable; runs in the order given)")
+    p.set_defaults(fn=cmd_study)
 
     p = sub.add_parser("archive", help="a run's record without its weights (config, state, metrics, report, and "
                                        "the evaluations' trajectories), small enough to commit beside a study; "

@@ -80,6 +80,7 @@ def _check_warm_start_from(tmp_path: Path, env: dict[str, str]) -> None:
     state = json.loads((tmp_path / "w" / "state.json").read_text())
     source = json.loads((tmp_path / "r" / "state.json").read_text())
     assert state["eval/bc"] == source["eval/bc"] and state["bc"] == source["bc"]
+    assert "finished" in source and "finished" in state  # what `agentevo study` reads to skip a run
     assert state["expert"]["n"] == 2 and _count(tmp_path / "w" / "experience.db", "expert") == 2
     # the imported evaluations' trajectories are copied slot for slot (the run folder is self-contained) and the
     # phases were not re-run: same collections, same rewards per slot

@@ -1,0 +1,276 @@
+"""A study in one command: arms x seeds of `agentevo train`, run in a fixed order, resumed where they stopped,
+archived as they finish, compared at the end.
+
+A study file (YAML) names what a bash loop over `agentevo train` would, and nothing else:
+
+    name: sg8s                      # runs are NAME-ARM-sSEED under output_dir
+    output_dir: runs/real
+    seeds: [0, 1, 2]
+    order: seed                     # seed: every arm of seed 0, then seed 1 ...; arm: every seed of an arm in turn
+    method: selfguide               # default recipe of the arms
+    config: null                    # optional base YAML config (as `agentevo train --config`)
+    set: {env.name: probe-guide}    # dotted overrides every arm gets
+    arms:                           # in the order they run within a seed
+      none: {set: {selfguide.guide: none}}
+      lam0: {set: {selfguide.schedule: none}}
+      const: {set: {selfguide.schedule: constant}, warm_start_from: lam0}   # that arm's run of the same seed
+    archive: docs/studies/x/runs    # optional: `agentevo archive --no-steps` of each finished run
+    compare:                        # optional: `agentevo compare` calls once every run has finished
+      - {baseline: none, out: runs/cmp/vs-none}
+      - {arms: [lam0, const], baseline: lam0, out: runs/cmp/vs-lam0}
+
+`agentevo study FILE` checks every arm's config before any work, then for each run in order: skips it when it has
+finished, resumes it when its folder exists, starts it otherwise, each in its own `agentevo train` / `resume`
+process (what a user would type, printed before it runs). A failed run stops the study; running the command again
+continues from that run. `--dry-run` prints the plan and each run's status; `--seed N` (repeatable) runs only those
+seeds, in that order (one machine per seed, or the missing seed first).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from agentevo.config import load_config, read_yaml_mapping
+from agentevo.errors import ConfigError
+
+FINISHED = "finished"  # the state.json key a run records once its recipe has returned (cli._run_recipe)
+STUDY_KEYS = ("name", "output_dir", "seeds", "order", "method", "config", "set", "arms", "archive", "compare")
+ARM_KEYS = ("method", "set", "warm_start_from")
+COMPARE_KEYS = ("arms", "baseline", "baseline_point", "split", "metric", "out")
+_ARM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
+_SEED_SUFFIX = re.compile(r"-s\d+$")  # an arm named like a seed suffix would break compare's NAME-sN grouping
+
+
+@dataclass
+class Arm:
+    """One arm: its recipe, its overrides (beside the study's) and the arm whose run of the same seed it starts from."""
+
+    name: str
+    method: str
+    overrides: list[str]
+    warm_start_from: str | None = None
+
+
+@dataclass
+class Comparison:
+    """One `agentevo compare` call over the study's runs."""
+
+    arms: list[str]
+    out: Path
+    baseline: str | None = None
+    baseline_point: str | None = None
+    split: str = "test"
+    metric: str = "success"
+
+
+@dataclass
+class Study:
+    """A study file, checked."""
+
+    path: Path
+    name: str
+    output_dir: Path
+    seeds: list[int]
+    order: str
+    config: str | None
+    arms: list[Arm]
+    archive: Path | None = None
+    compare: list[Comparison] = field(default_factory=list)
+
+
+@dataclass
+class PlannedRun:
+    """One run of the study and what the command will do with it."""
+
+    arm: Arm
+    seed: int
+    name: str
+    dir: Path
+    status: str  # finished | partial | new
+    argv: list[str]  # `agentevo ...` arguments (without the program)
+
+
+def _overrides(where: str, raw: Any) -> list[str]:
+    """A `set:` block (mapping of dotted keys, or a list of KEY=VALUE strings) as --set strings."""
+    if raw is None:
+        return []
+    if isinstance(raw, dict):
+        return [f"{k}={yaml.safe_dump(v, default_flow_style=True, width=10**6).strip().removesuffix('...').strip()}"
+                for k, v in raw.items()]
+    if isinstance(raw, list) and all(isinstance(x, str) and "=" in x for x in raw):
+        return list(raw)
+    raise ConfigError(f"{where}: 'set' must map dotted keys to values ({{optim.lr: 1e-5}}) or list KEY=VALUE strings")
+
+
+def _unknown(where: str, data: dict[str, Any], allowed: tuple[str, ...]) -> None:
+    extra = [k for k in data if k not in allowed]
+    if extra:
+        raise ConfigError(f"{where}: unknown key {extra[0]!r}; allowed: {', '.join(allowed)}")
+
+
+def load_study(path: str | Path, check_configs: bool = True) -> Study:
+    """Read and check a study file; with check_configs every arm's config is built and validated (no work done)."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"study file {str(path)!r} does not exist; see configs/study/*.study.yaml")
+    data = read_yaml_mapping(path)
+    where = f"study {str(path)!r}"
+    _unknown(where, data, STUDY_KEYS)
+    name = data.get("name")
+    if not isinstance(name, str) or not name or "/" in name:
+        raise ConfigError(f"{where}: 'name' must be a plain name (the runs are NAME-ARM-sSEED)")
+    seeds = data.get("seeds", [0])
+    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and s >= 0 for s in seeds) \
+            or len(set(seeds)) != len(seeds):
+        raise ConfigError(f"{where}: 'seeds' must be a list of distinct non-negative integers, e.g. [0, 1, 2]")
+    order = data.get("order", "seed")
+    if order not in ("seed", "arm"):
+        raise ConfigError(f"{where}: 'order' must be seed (every arm of a seed in turn) or arm (every seed of an arm)")
+    raw_arms = data.get("arms")
+    if not isinstance(raw_arms, dict) or not raw_arms:
+        raise ConfigError(f"{where}: 'arms' must map each arm's name to its settings ({{none: {{set: {{...}}}}}})")
+    base_method = data.get("method")
+    base_sets = _overrides(where, data.get("set"))
+    arms: list[Arm] = []
+    for arm_name, raw in raw_arms.items():
+        arm_where = f"{where}, arm {arm_name!r}"
+        raw = raw or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{arm_where}: settings must be a mapping (method, set, warm_start_from)")
+        _unknown(arm_where, raw, ARM_KEYS)
+        if not isinstance(arm_name, str) or not _ARM_NAME.fullmatch(arm_name) or _SEED_SUFFIX.search(arm_name):
+            raise ConfigError(f"{arm_where}: an arm's name is letters, digits, '-' and '_' and does not end in -sN")
+        method = raw.get("method", base_method)
+        if not method:
+            raise ConfigError(f"{arm_where}: no recipe; set 'method' for the study or the arm")
+        dep = raw.get("warm_start_from")
+        if dep is not None and dep not in [a.name for a in arms]:
+            raise ConfigError(f"{arm_where}: warm_start_from {dep!r} must name an arm listed before it (its run of the "
+                              "same seed has to finish first)")
+        arms.append(Arm(arm_name, str(method), base_sets + _overrides(arm_where, raw.get("set")), dep))
+    compares = []
+    for k, raw in enumerate(data.get("compare") or []):
+        c_where = f"{where}, compare #{k + 1}"
+        if not isinstance(raw, dict) or "out" not in raw:
+            raise ConfigError(f"{c_where}: each entry needs at least 'out' (the folder for compare.md)")
+        _unknown(c_where, raw, COMPARE_KEYS)
+        names = raw.get("arms") or [a.name for a in arms]
+        missing = [a for a in [*names, *([raw["baseline"]] if raw.get("baseline") else [])]
+                   if a not in [x.name for x in arms]]
+        if missing:
+            raise ConfigError(f"{c_where}: {missing[0]!r} is not an arm of the study ({', '.join(a.name for a in arms)})")
+        compares.append(Comparison(list(names), Path(raw["out"]), raw.get("baseline"), raw.get("baseline_point"),
+                                   raw.get("split", "test"), raw.get("metric", "success")))
+    study = Study(path, name, Path(data.get("output_dir") or "runs"), seeds, order, data.get("config"), arms,
+                  Path(data["archive"]) if data.get("archive") else None, compares)
+    if check_configs:
+        for arm in arms:  # every arm's config is checked now, not hours later when its turn comes
+            try:
+                load_config(study.config, [*arm.overrides, f"seed={seeds[0]}"], method=arm.method,
+                            name=run_name(study, arm.name, seeds[0]), output_dir=str(study.output_dir))
+            except ConfigError as exc:
+                raise ConfigError(f"{where}, arm {arm.name!r}: {exc}") from None
+    return study
+
+
+def run_name(study: Study, arm: str, seed: int) -> str:
+    """The run folder's name: compare groups NAME-ARM-sSEED by arm."""
+    return f"{study.name}-{arm}-s{seed}"
+
+
+def run_status(run_dir: Path) -> str:
+    """finished (its recipe returned), partial (a folder to resume) or new."""
+    state = run_dir / "state.json"
+    if state.exists():
+        try:
+            if FINISHED in json.loads(state.read_text()):
+                return "finished"
+        except (json.JSONDecodeError, TypeError):
+            pass
+    return "partial" if (run_dir / "config.yaml").exists() else "new"
+
+
+def plan(study: Study, quiet: bool = True, seeds: list[int] | None = None) -> list[PlannedRun]:
+    """Every run of the study in the order it runs (only `seeds`, in that order, when given), with its status and the
+    command that (re)runs it."""
+    if seeds:
+        unknown = [s for s in seeds if s not in study.seeds]
+        if unknown:
+            raise ConfigError(f"--seed {unknown[0]} is not a seed of study {study.name} "
+                              f"({', '.join(map(str, study.seeds))}); add it to the study file's seeds first")
+    order = seeds or study.seeds
+    pairs = ([(arm, seed) for seed in order for arm in study.arms] if study.order == "seed"
+             else [(arm, seed) for arm in study.arms for seed in order])
+    runs = []
+    for arm, seed in pairs:
+        name = run_name(study, arm.name, seed)
+        run_dir = study.output_dir / name
+        status = run_status(run_dir)
+        tail = ["--quiet"] if quiet else []
+        if status == "partial":
+            argv = ["resume", str(run_dir), *tail]
+        else:
+            argv = ["train", arm.method, *(["--config", study.config] if study.config else [])]
+            for item in arm.overrides:
+                argv += ["--set", item]
+            argv += ["--set", f"seed={seed}"]
+            if arm.warm_start_from:
+                argv += ["--set", f"bc.warm_start_from={study.output_dir / run_name(study, arm.warm_start_from, seed)}"]
+            argv += ["--name", name, "--output-dir", str(study.output_dir), *tail]
+        runs.append(PlannedRun(arm, seed, name, run_dir, status, argv))
+    return runs
+
+
+def _subprocess_runner(argv: list[str]) -> int:
+    return subprocess.run([sys.executable, "-m", "agentevo.cli", *argv], check=False).returncode
+
+
+def run_study(study: Study, dry_run: bool = False, quiet: bool = True, echo: Callable[[str], None] = print,
+              runner: Callable[[list[str]], int] = _subprocess_runner, seeds: list[int] | None = None
+              ) -> list[PlannedRun]:
+    """Run (or with dry_run only print) the study's unfinished runs in order (only `seeds` when given), archive each
+    finished run, then write the comparisons over every finished run. Raises ConfigError naming the run when one
+    fails."""
+    runs = plan(study, quiet, seeds)
+    done = sum(r.status == "finished" for r in runs)
+    echo(f"study {study.name}: {len(runs)} runs ({len(study.arms)} arms x {len(study.seeds)} seeds), {done} finished")
+    for r in runs:
+        echo(f"  {r.name:32s} {r.status:8s} agentevo {shlex.join(r.argv)}")
+    if dry_run:
+        return runs
+    for r in runs:
+        if r.status != "finished":
+            echo(f"{r.name}: {'resuming' if r.status == 'partial' else 'starting'}")
+            code = runner(r.argv)
+            if code != 0 or run_status(r.dir) != "finished":
+                raise ConfigError(f"study {study.name}: run {r.name} stopped (exit code {code}); see its output, fix "
+                                  f"the cause and run `agentevo study {study.path}` again to continue from it")
+            r.status = "finished"
+        if study.archive is not None:
+            from agentevo.data.archive import archive_run
+
+            echo(archive_run(r.dir, study.archive, steps=False).line(r.dir))
+    from agentevo.eval.compare import compare
+
+    every = [r for r in plan(study, quiet) if r.status == "finished"]  # other seeds' finished runs count too
+    for c in study.compare:
+        dirs = [r.dir for r in every if r.arm.name in c.arms]
+        if not dirs or (c.baseline and not any(r.arm.name == c.baseline for r in every)):
+            echo(f"compare -> {c.out}: skipped, its arms have no finished runs yet")
+            continue
+        baseline = f"{study.name}-{c.baseline}" if c.baseline else None
+        result = compare(dirs, c.split, c.out, c.metric, baseline, baseline_point=c.baseline_point)
+        echo(f"compare -> {result.path}")
+        for line in result.sentences:
+            echo(line)
+    return runs

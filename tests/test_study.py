@@ -1,0 +1,143 @@
+"""agentevo study: the plan of a study file, its checks, and a run through a stand-in for `agentevo train`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from agentevo.cli import main
+from agentevo.data.store import ExperienceStore
+from agentevo.data.types import Trajectory
+from agentevo.envs.base import Task
+from agentevo.errors import ConfigError
+from agentevo.eval.metrics import eval_collection
+from agentevo.study import load_study, plan, run_status, run_study
+
+STUDY = """
+name: st
+output_dir: {out}
+seeds: [0, 1]
+method: bc
+set: {{env.name: probe-copy, env.n_test: 4, "eval.splits": [test]}}
+arms:
+  base: {{}}
+  lr: {{set: {{optim.lr: 0.001}}, warm_start_from: base}}
+archive: {archive}
+compare:
+  - {{baseline: base, out: {cmp}}}
+"""
+
+
+def _study(tmp_path: Path, text: str = STUDY, **fmt: str) -> Path:
+    path = tmp_path / "s.study.yaml"
+    path.write_text(text.format(out=tmp_path / "runs", archive=tmp_path / "arch", cmp=tmp_path / "cmp", **fmt))
+    return path
+
+
+def _fake_train(out: Path, wins: dict[str, list[int]]) -> tuple[list[list[str]], object]:
+    """A stand-in for `agentevo train/resume`: writes a finished run whose bc evaluation wins the given tasks."""
+    calls: list[list[str]] = []
+
+    def runner(argv: list[str]) -> int:
+        calls.append(argv)
+        name = argv[argv.index("--name") + 1] if "--name" in argv else Path(argv[1]).name
+        run = out / name
+        run.mkdir(parents=True, exist_ok=True)
+        (run / "config.yaml").write_text("method: bc\nenv:\n  name: probe-copy\n")
+        won = wins[name.rsplit("-s", 1)[0].split("-", 1)[1]]
+        state = {"eval/bc": {"test": {"success_rate": sum(won) / len(won), "avg_reward": 0.0}}, "finished": {}}
+        (run / "state.json").write_text(json.dumps(state))
+        store = ExperienceStore(run / "experience.db")
+        for k, w in enumerate(won):
+            store.add(Trajectory(Task("probe-copy", f"t{k}", "test", "copy"), "self", "bc", "", [], float(w), bool(w)),
+                      eval_collection("bc", "test"), k)
+        store.close()
+        return 0
+
+    return calls, runner
+
+
+def test_plan_orders_runs_and_names_their_commands(tmp_path: Path) -> None:
+    study = load_study(_study(tmp_path))
+    runs = plan(study)
+    assert [r.name for r in runs] == ["st-base-s0", "st-lr-s0", "st-base-s1", "st-lr-s1"]  # every arm of a seed
+    assert [r.status for r in runs] == ["new"] * 4
+    lr1 = runs[3].argv
+    assert lr1[:2] == ["train", "bc"] and lr1[-5:] == ["--name", "st-lr-s1", "--output-dir", str(tmp_path / "runs"),
+                                                       "--quiet"]
+    sets = [lr1[i + 1] for i, a in enumerate(lr1) if a == "--set"]
+    assert sets == ["env.name=probe-copy", "env.n_test=4", "eval.splits=[test]", "optim.lr=0.001", "seed=1",
+                    f"bc.warm_start_from={tmp_path / 'runs' / 'st-base-s1'}"]
+    assert [r.name for r in plan(study, seeds=[1])] == ["st-base-s1", "st-lr-s1"]
+    with pytest.raises(ConfigError, match="--seed 5 is not a seed of study st"):
+        plan(study, seeds=[5])
+    arm_major = load_study(_study(tmp_path, STUDY.replace("seeds: [0, 1]", "seeds: [0, 1]\norder: arm")))
+    assert [r.name for r in plan(arm_major)] == ["st-base-s0", "st-base-s1", "st-lr-s0", "st-lr-s1"]
+    # a folder with a config is resumed; one whose state says finished is skipped
+    (tmp_path / "runs" / "st-base-s0").mkdir(parents=True)
+    (tmp_path / "runs" / "st-base-s0" / "config.yaml").write_text("method: bc\n")
+    assert run_status(tmp_path / "runs" / "st-base-s0") == "partial"
+    assert plan(study)[0].argv == ["resume", str(tmp_path / "runs" / "st-base-s0"), "--quiet"]
+    (tmp_path / "runs" / "st-base-s0" / "state.json").write_text('{"eval/bc": {}, "finished": {}}')
+    assert plan(study)[0].status == "finished"
+
+
+def test_a_study_runs_what_is_left_archives_and_compares(tmp_path: Path) -> None:
+    study = load_study(_study(tmp_path))
+    calls, runner = _fake_train(tmp_path / "runs", {"base": [0, 1, 0, 0], "lr": [1, 1, 1, 0]})
+    lines: list[str] = []
+    runner(plan(study)[0].argv)  # st-base-s0 already finished before the study command
+    calls.clear()
+    run_study(study, echo=lines.append, runner=runner)
+    assert [c[c.index("--name") + 1] for c in calls] == ["st-lr-s0", "st-base-s1", "st-lr-s1"]
+    assert lines[0] == "study st: 4 runs (2 arms x 2 seeds), 1 finished"
+    assert sorted(p.name for p in (tmp_path / "arch").iterdir()) == ["st-base-s0", "st-base-s1", "st-lr-s0",
+                                                                     "st-lr-s1"]
+    # lr wins t0 and t2 where base does not, at both seeds: +50 points
+    compare_md = (tmp_path / "cmp" / "compare.md").read_text()
+    assert "| st-lr | bc | 2 | 4 | +50.0 | +50.0 / +50.0 |" in compare_md
+    assert any(line.startswith("- **st-lr** (bc; st-base at bc): difference vs st-base: +50.0") for line in lines)
+    # nothing left: a second call starts nothing
+    calls.clear()
+    run_study(study, echo=lines.append, runner=runner)
+    assert calls == []
+
+
+def test_a_failed_run_stops_the_study_with_the_way_on(tmp_path: Path) -> None:
+    study = load_study(_study(tmp_path))
+    with pytest.raises(ConfigError, match=r"run st-base-s0 stopped \(exit code 3\).*run `agentevo study .*s.study"
+                                          r".yaml` again to continue from it"):
+        run_study(study, echo=lambda _: None, runner=lambda argv: 3)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (("name: st", "name: st\ncolour: red"), "unknown key 'colour'; allowed: name, output_dir"),
+    (("warm_start_from: base", "warm_start_from: later"), "warm_start_from 'later' must name an arm listed before"),
+    (("  lr:", "  lr-s1:"), "does not end in -sN"),
+    (("baseline: base", "baseline: nobody"), r"'nobody' is not an arm of the study \(base, lr\)"),
+    (("optim.lr: 0.001", "optim.bogus: 1"), "arm 'lr': .*bogus"),
+    (("seeds: [0, 1]", "seeds: [0, 0]"), "'seeds' must be a list of distinct non-negative integers"),
+])
+def test_study_file_errors_name_the_problem(tmp_path: Path, change: tuple[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_study(_study(tmp_path, STUDY.replace(*change)))
+
+
+def test_dry_run_from_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _study(tmp_path)
+    assert main(["study", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "study st: 4 runs (2 arms x 2 seeds), 0 finished" in out
+    assert "st-lr-s1" in out and "agentevo train bc --set env.name=probe-copy" in out
+    assert not (tmp_path / "runs").exists()
+    assert main(["study", str(tmp_path / "missing.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_the_shipped_stall_probe_study_reads() -> None:
+    study = load_study("configs/study/selfguide_stall_probe.study.yaml", check_configs=False)
+    assert [(a.name, a.warm_start_from) for a in study.arms] == [("none", None), ("lam0", None), ("const", "lam0")]
+    assert study.seeds == [0, 1, 2] and len(plan(study)) == 9
+    assert "selfguide.schedule=constant" in study.arms[2].overrides and "eval.samples=4" in study.arms[2].overrides
