@@ -188,17 +188,14 @@ for a in none const lam0; do
   .venv/bin/agentevo compare runs/real/sg8s-$a-s? --baseline-point bc --out runs/cmp-sg8s/$a-vs-bc; done
 
 # 2026-12-06/07 on a new machine (the same CPU model, AMD EPYC): the run folders of seeds 0 and 1 were lost with the
-# previous machine; their numbers are in the README. lambda = 0 at seed 1 trains its own guided BC (the BC the
-# constant arm of seed 1 trained: same config and seed; its evaluation, 5 / 128 won, matches), then seed 2's three
-# arms. From here on each finished run is archived (evaluations' per-episode outcomes, config, state, metrics:
-# `agentevo archive`) into runs/ beside this README, so compare can be rerun without the run folders.
-sg8s sg8s-lam0-s1 1 --set selfguide.schedule=none --quiet
-sg8s sg8s-none-s2 2 --set selfguide.guide=none --quiet
-sg8s sg8s-lam0-s2 2 --set selfguide.schedule=none --quiet
-sg8s sg8s-const-s2 2 --set selfguide.schedule=constant --set bc.warm_start_from=runs/real/sg8s-lam0-s2 --quiet
-.venv/bin/agentevo archive runs/real/sg8s-{lam0-s1,none-s2,lam0-s2,const-s2} --no-steps \
-  --out docs/studies/real_model_probes/runs
-for r in lam0-s1 lam0-s2 const-s2; do .venv/bin/python $S/verdict_check.py runs/real/sg8s-$r; done
+# previous machine; their numbers are in the README. From here the study is one command,
+# configs/study/selfguide_stall_probe.study.yaml (the same configs as the sg8s runs above, byte for byte; lambda = 0
+# trains its own guided BC and the constant arm starts from it): it runs what is missing in order, resumes a run cut
+# short, archives each finished run into runs/ beside this README (`agentevo archive --no-steps`: config, state,
+# metrics and each evaluation's per-episode outcomes) and writes both comparisons over every finished run.
+# lambda = 0 at seed 1 and seed 2's arms first (its BC won 5 / 128 at seed 1, as the constant arm's did); then seeds
+# 0 and 1 again, which restores the per-task pairing the lost folders held.
+.venv/bin/agentevo study configs/study/selfguide_stall_probe.study.yaml --seed 1 --seed 2
+.venv/bin/agentevo study configs/study/selfguide_stall_probe.study.yaml
+for r in lam0-s1 none-s2 lam0-s2 const-s2; do .venv/bin/python $S/verdict_check.py runs/real/sg8s-$r; done
 .venv/bin/python $S/light_errors.py runs/real/sg8s-{none,lam0,const}-s2 runs/real/sg8s-lam0-s1
-.venv/bin/agentevo compare runs/real/sg8s-{none,lam0,const}-s2 --baseline sg8s-none --out runs/cmp-sg8s/s2-vs-none
-.venv/bin/agentevo compare runs/real/sg8s-{lam0,const}-s2 --baseline sg8s-lam0 --out runs/cmp-sg8s/s2-vs-lam0
