@@ -193,9 +193,10 @@ for a in none const lam0; do
 # trains its own guided BC and the constant arm starts from it): it runs what is missing in order, resumes a run cut
 # short, archives each finished run into runs/ beside this README (`agentevo archive --no-steps`: config, state,
 # metrics and each evaluation's per-episode outcomes) and writes both comparisons over every finished run.
-# lambda = 0 at seed 1 and seed 2's arms first (its BC won 5 / 128 at seed 1, as the constant arm's did); then seeds
-# 0 and 1 again, which restores the per-task pairing the lost folders held.
-.venv/bin/agentevo study configs/study/selfguide_stall_probe.study.yaml --seed 1 --seed 2
+# lambda = 0 at seed 1 ran first, by itself (its BC won 5 / 128, as the constant arm's did at seed 1), then seed 2's
+# three arms; then the whole study again, which reruns seeds 0 and 1's lost arms and restores their per-task pairing.
+sg8s sg8s-lam0-s1 1 --set selfguide.schedule=none --quiet
+.venv/bin/agentevo study configs/study/selfguide_stall_probe.study.yaml --seed 2
 .venv/bin/agentevo study configs/study/selfguide_stall_probe.study.yaml
 for r in lam0-s1 none-s2 lam0-s2 const-s2; do .venv/bin/python $S/verdict_check.py runs/real/sg8s-$r; done
 .venv/bin/python $S/light_errors.py runs/real/sg8s-{none,lam0,const}-s2 runs/real/sg8s-lam0-s1
