@@ -50,7 +50,7 @@ def _run_recipe(run: Run) -> int:
     from agentevo import dist
     from agentevo.eval.report import write_report
     from agentevo.recipes import DISTRIBUTED_RECIPES, get_recipe
-    from agentevo.study import FINISHED
+    from agentevo.run import FINISHED
 
     if dist.world_size() > 1 and run.cfg.method not in DISTRIBUTED_RECIPES:
         run.close()
@@ -82,9 +82,21 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    from agentevo.run import Run
+    from agentevo.run import FINISHED, Run
 
     run = Run.open(args.run_dir, quiet=args.quiet)
+    if FINISHED in run.state:  # nothing to continue: no model loaded, no checkpoint (or optimiser state) needed
+        from agentevo.eval.report import write_report
+
+        try:
+            report = write_report(run) if run.main else None
+        finally:
+            run.close()
+        if run.main:
+            _summary_table(run, run.state)
+            print(f"report: {report}")
+            print(f"{run.dir} finished at {run.state[FINISHED].get('at', '?')}: nothing to resume (report rewritten)")
+        return 0
     _set_interrupt_hint(f"continue with `agentevo resume {run.dir}`")
     return _run_recipe(run)
 

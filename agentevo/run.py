@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 _PHASE_FAILED = "__agentevo_phase_failed__"
 LOCK_FILE = ".lock"  # flock'ed while a process owns the folder; never deleted (a new inode would let two in)
+FINISHED = "finished"  # the state.json phase a run records once its recipe has returned (resume and study skip it)
 OWNER_FILE = "owner.json"  # who holds the lock: pid, host, command, start time
 
 

@@ -42,8 +42,8 @@ import yaml
 
 from agentevo.config import load_config, read_yaml_mapping
 from agentevo.errors import ConfigError
+from agentevo.run import FINISHED
 
-FINISHED = "finished"  # the state.json key a run records once its recipe has returned (cli._run_recipe)
 STUDY_KEYS = ("name", "output_dir", "seeds", "order", "method", "config", "set", "arms", "archive", "compare")
 ARM_KEYS = ("method", "set", "warm_start_from")
 COMPARE_KEYS = ("arms", "baseline", "baseline_point", "split", "metric", "out")

@@ -67,6 +67,13 @@ def test_killed_run_resumes_and_reports(tmp_path) -> None:  # noqa: ANN001
     assert (tmp_path / "r" / "checkpoints" / "bc" / "model.safetensors").exists()
     assert "success" in out.stdout and "bc" in out.stdout  # the closing summary table
     _check_warm_start_from(tmp_path, env)
+    # resuming a finished run continues nothing: it needs no checkpoint and rewrites the report
+    (tmp_path / "r" / "checkpoints").rename(tmp_path / "r" / "checkpoints-aside")
+    again = subprocess.run([sys.executable, "-m", "agentevo.cli", "resume", str(tmp_path / "r"), "--quiet"], env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert "nothing to resume (report rewritten)" in again.stdout and "| bc | test | 6 |" in report
+    assert _rows(db) == after  # and stores nothing
 
 
 def _check_warm_start_from(tmp_path: Path, env: dict[str, str]) -> None:
