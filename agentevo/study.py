@@ -40,7 +40,7 @@ from typing import Any
 
 import yaml
 
-from agentevo.config import load_config, read_yaml_mapping
+from agentevo.config import dump_config, load_config, read_yaml_mapping
 from agentevo.errors import ConfigError
 from agentevo.run import FINISHED
 
@@ -200,6 +200,14 @@ def run_status(run_dir: Path) -> str:
     return "partial" if (run_dir / "config.yaml").exists() else "new"
 
 
+def _run_overrides(study: Study, arm: Arm, seed: int) -> list[str]:
+    """The --set overrides of one run: the study's and the arm's, the seed, and the warm start's run folder."""
+    sets = [*arm.overrides, f"seed={seed}"]
+    if arm.warm_start_from:
+        sets.append(f"bc.warm_start_from={study.output_dir / run_name(study, arm.warm_start_from, seed)}")
+    return sets
+
+
 def plan(study: Study, quiet: bool = True, seeds: list[int] | None = None) -> list[PlannedRun]:
     """Every run of the study in the order it runs (only `seeds`, in that order, when given), with its status and the
     command that (re)runs it."""
@@ -221,14 +229,35 @@ def plan(study: Study, quiet: bool = True, seeds: list[int] | None = None) -> li
             argv = ["resume", str(run_dir), *tail]
         else:
             argv = ["train", arm.method, *(["--config", study.config] if study.config else [])]
-            for item in arm.overrides:
+            for item in _run_overrides(study, arm, seed):
                 argv += ["--set", item]
-            argv += ["--set", f"seed={seed}"]
-            if arm.warm_start_from:
-                argv += ["--set", f"bc.warm_start_from={study.output_dir / run_name(study, arm.warm_start_from, seed)}"]
             argv += ["--name", name, "--output-dir", str(study.output_dir), *tail]
         runs.append(PlannedRun(arm, seed, name, run_dir, status, argv))
     return runs
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def config_drift(study: Study, r: PlannedRun) -> str | None:
+    """Where an existing run's config.yaml differs from what the study file now gives it ('key: A in the run, B in
+    the study'), None when they agree (or the run has no folder yet)."""
+    path = r.dir / "config.yaml"
+    if not path.exists():
+        return None
+    wanted = load_config(study.config, _run_overrides(study, r.arm, r.seed), method=r.arm.method, name=r.name,
+                         output_dir=str(study.output_dir))
+    ours, theirs = _flat(yaml.safe_load(dump_config(wanted))), _flat(yaml.safe_load(path.read_text()) or {})
+    for key in sorted(set(ours) & set(theirs)):  # a setting added or removed since the run was made is not drift
+        if ours[key] != theirs[key]:
+            return f"{key}: {theirs[key]!r} in the run, {ours[key]!r} in the study"
+    return None
 
 
 def _subprocess_runner(argv: list[str]) -> int:
@@ -246,6 +275,11 @@ def run_study(study: Study, dry_run: bool = False, quiet: bool = True, echo: Cal
     echo(f"study {study.name}: {len(runs)} runs ({len(study.arms)} arms x {len(study.seeds)} seeds), {done} finished")
     for r in runs:
         echo(f"  {r.name:32s} {r.status:8s} agentevo {shlex.join(r.argv)}")
+    for r in runs:  # an edited study file must not resume a run made with other settings
+        drift = config_drift(study, r) if r.status != "new" else None
+        if drift:
+            raise ConfigError(f"study {study.name}: run {r.name} was made with other settings than {study.path} gives "
+                              f"now ({drift}); restore the study file, or move {r.dir} aside to run it again")
     if dry_run:
         return runs
     for r in runs:

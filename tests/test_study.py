@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from agentevo.cli import main
+from agentevo.config import dump_config, load_config
 from agentevo.data.store import ExperienceStore
 from agentevo.data.types import Trajectory
 from agentevo.envs.base import Task
@@ -45,7 +46,10 @@ def _fake_train(out: Path, wins: dict[str, list[int]]) -> tuple[list[list[str]],
         name = argv[argv.index("--name") + 1] if "--name" in argv else Path(argv[1]).name
         run = out / name
         run.mkdir(parents=True, exist_ok=True)
-        (run / "config.yaml").write_text("method: bc\nenv:\n  name: probe-copy\n")
+        if argv[0] == "train":  # the config `agentevo train` would write
+            sets = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+            (run / "config.yaml").write_text(dump_config(load_config(None, sets, method=argv[1], name=name,
+                                                                     output_dir=str(out))))
         won = wins[name.rsplit("-s", 1)[0].split("-", 1)[1]]
         state = {"eval/bc": {"test": {"success_rate": sum(won) / len(won), "avg_reward": 0.0}}, "finished": {}}
         (run / "state.json").write_text(json.dumps(state))
@@ -103,6 +107,12 @@ def test_a_study_runs_what_is_left_archives_and_compares(tmp_path: Path) -> None
     calls.clear()
     run_study(study, echo=lines.append, runner=runner)
     assert calls == []
+    # an edited study file does not resume (or skip) runs made with the old settings
+    edited = load_study(_study(tmp_path, STUDY.replace("optim.lr: 0.001", "optim.lr: 0.002")))
+    with pytest.raises(ConfigError, match=r"run st-lr-s0 was made with other settings than .* \(optim.lr: 0.001 in "
+                                          r"the run, 0.002 in the study\); restore the study file, or move .*st-lr-s0 "
+                                          r"aside"):
+        run_study(edited, dry_run=True, echo=lambda _: None, runner=runner)
 
 
 def test_a_failed_run_stops_the_study_with_the_way_on(tmp_path: Path) -> None:
