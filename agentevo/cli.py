@@ -52,15 +52,19 @@ def _run_recipe(run: Run) -> int:
     from agentevo.recipes import DISTRIBUTED_RECIPES, get_recipe
     from agentevo.run import FINISHED
 
-    if dist.world_size() > 1 and run.cfg.method not in DISTRIBUTED_RECIPES:
+    finished = FINISHED in run.state  # resumed after its recipe returned: nothing to continue
+    if not finished and dist.world_size() > 1 and run.cfg.method not in DISTRIBUTED_RECIPES:
         run.close()
         raise ConfigError(
             f"recipe {run.cfg.method!r} does not run under accelerate launch yet (ready: "
             f"{', '.join(sorted(DISTRIBUTED_RECIPES))}); run it as one process with LoRA and vLLM (docs/scaling.md)"
         )
     try:
-        results = get_recipe(run.cfg.method)(run)
-        run.phase(FINISHED, lambda: {"at": time.strftime("%Y-%m-%dT%H:%M:%S")})  # what `agentevo study` skips
+        if finished:  # no model, checkpoint or optimiser state loaded: the report is rewritten from state.json
+            results = run.state
+        else:
+            results = get_recipe(run.cfg.method)(run)
+            run.phase(FINISHED, lambda: {"at": time.strftime("%Y-%m-%dT%H:%M:%S")})  # what `agentevo study` skips
         report = write_report(run) if run.main else None
     finally:
         run.close()
@@ -68,6 +72,8 @@ def _run_recipe(run: Run) -> int:
         return 0
     _summary_table(run, results)
     print(f"report: {report}")
+    if finished:
+        print(f"{run.dir} finished at {run.state[FINISHED].get('at', '?')}: nothing to resume (report rewritten)")
     return 0
 
 
@@ -82,21 +88,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    from agentevo.run import FINISHED, Run
+    from agentevo.run import Run
 
     run = Run.open(args.run_dir, quiet=args.quiet)
-    if FINISHED in run.state:  # nothing to continue: no model loaded, no checkpoint (or optimiser state) needed
-        from agentevo.eval.report import write_report
-
-        try:
-            report = write_report(run) if run.main else None
-        finally:
-            run.close()
-        if run.main:
-            _summary_table(run, run.state)
-            print(f"report: {report}")
-            print(f"{run.dir} finished at {run.state[FINISHED].get('at', '?')}: nothing to resume (report rewritten)")
-        return 0
     _set_interrupt_hint(f"continue with `agentevo resume {run.dir}`")
     return _run_recipe(run)
 

@@ -517,6 +517,17 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
     return plain(cfg)
 
 
+def flatten_dotted(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested mapping as dotted keys ({"optim": {"lr": 1}} -> {"optim.lr": 1}); an empty mapping stays a value."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(flatten_dotted(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def dump_config(cfg: Any) -> str:
     """The resolved config as YAML."""
     return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)

@@ -40,15 +40,15 @@ from typing import Any
 
 import yaml
 
-from agentevo.config import dump_config, load_config, read_yaml_mapping
+from agentevo.config import dump_config, flatten_dotted, load_config, read_yaml_mapping
 from agentevo.errors import ConfigError
+from agentevo.eval.compare import SEED_SUFFIX, compare
 from agentevo.run import FINISHED
 
 STUDY_KEYS = ("name", "output_dir", "seeds", "order", "method", "config", "set", "arms", "archive", "compare")
 ARM_KEYS = ("method", "set", "warm_start_from")
 COMPARE_KEYS = ("arms", "baseline", "baseline_point", "split", "metric", "out")
 _ARM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
-_SEED_SUFFIX = re.compile(r"-s\d+$")  # an arm named like a seed suffix would break compare's NAME-sN grouping
 
 
 @dataclass
@@ -148,7 +148,8 @@ def load_study(path: str | Path, check_configs: bool = True) -> Study:
         if not isinstance(raw, dict):
             raise ConfigError(f"{arm_where}: settings must be a mapping (method, set, warm_start_from)")
         _unknown(arm_where, raw, ARM_KEYS)
-        if not isinstance(arm_name, str) or not _ARM_NAME.fullmatch(arm_name) or _SEED_SUFFIX.search(arm_name):
+        # a name ending in -sN would break compare's NAME-sN grouping
+        if not isinstance(arm_name, str) or not _ARM_NAME.fullmatch(arm_name) or SEED_SUFFIX.search(arm_name):
             raise ConfigError(f"{arm_where}: an arm's name is letters, digits, '-' and '_' and does not end in -sN")
         method = raw.get("method", base_method)
         if not method:
@@ -183,9 +184,14 @@ def load_study(path: str | Path, check_configs: bool = True) -> Study:
     return study
 
 
+def arm_group(study: Study, arm: str) -> str:
+    """The name compare gives an arm's runs (their folder names less -sSEED)."""
+    return f"{study.name}-{arm}"
+
+
 def run_name(study: Study, arm: str, seed: int) -> str:
     """The run folder's name: compare groups NAME-ARM-sSEED by arm."""
-    return f"{study.name}-{arm}-s{seed}"
+    return f"{arm_group(study, arm)}-s{seed}"
 
 
 def run_status(run_dir: Path) -> str:
@@ -236,15 +242,6 @@ def plan(study: Study, quiet: bool = True, seeds: list[int] | None = None) -> li
     return runs
 
 
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(tree, dict):
-        return {prefix: tree}
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
-    return out
-
-
 def config_drift(study: Study, r: PlannedRun) -> str | None:
     """Where an existing run's config.yaml differs from what the study file now gives it ('key: A in the run, B in
     the study'), None when they agree (or the run has no folder yet)."""
@@ -253,7 +250,8 @@ def config_drift(study: Study, r: PlannedRun) -> str | None:
         return None
     wanted = load_config(study.config, _run_overrides(study, r.arm, r.seed), method=r.arm.method, name=r.name,
                          output_dir=str(study.output_dir))
-    ours, theirs = _flat(yaml.safe_load(dump_config(wanted))), _flat(yaml.safe_load(path.read_text()) or {})
+    ours = flatten_dotted(yaml.safe_load(dump_config(wanted)))
+    theirs = flatten_dotted(yaml.safe_load(path.read_text()) or {})
     for key in sorted(set(ours) & set(theirs)):  # a setting added or removed since the run was made is not drift
         if ours[key] != theirs[key]:
             return f"{key}: {theirs[key]!r} in the run, {ours[key]!r} in the study"
@@ -294,15 +292,13 @@ def run_study(study: Study, dry_run: bool = False, quiet: bool = True, echo: Cal
             from agentevo.data.archive import archive_run
 
             echo(archive_run(r.dir, study.archive, steps=False).line(r.dir))
-    from agentevo.eval.compare import compare
-
     every = [r for r in plan(study, quiet) if r.status == "finished"]  # other seeds' finished runs count too
     for c in study.compare:
         dirs = [r.dir for r in every if r.arm.name in c.arms]
         if not dirs or (c.baseline and not any(r.arm.name == c.baseline for r in every)):
             echo(f"compare -> {c.out}: skipped, its arms have no finished runs yet")
             continue
-        baseline = f"{study.name}-{c.baseline}" if c.baseline else None
+        baseline = arm_group(study, c.baseline) if c.baseline else None
         result = compare(dirs, c.split, c.out, c.metric, baseline, baseline_point=c.baseline_point)
         echo(f"compare -> {result.path}")
         for line in result.sentences:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from agentevo.config import flatten_dotted
 from agentevo.errors import AgentevoError, ConfigError, MissingDependencyError
 from agentevo.files import write_text_atomic
 
@@ -217,16 +218,6 @@ def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     return "\n".join(lines)
 
 
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def _read_ids(run_dir: Path) -> dict[str, Any]:
     try:
         ids = json.loads((run_dir / IDS_FILE).read_text())
@@ -367,7 +358,7 @@ class MLflowTracker(Tracker):
             experiment_id = (experiment.experiment_id if experiment is not None
                              else self.client.create_experiment(project))
             run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
-            params = [Param(k, str(v)[:6000]) for k, v in _flatten(config or {}).items()]
+            params = [Param(k, str(v)[:6000]) for k, v in flatten_dotted(config or {}).items()]
             for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
                 self.client.log_batch(run_id, params=params[i:i + 100])
             _save_id(run_dir, "mlflow", run_id)
