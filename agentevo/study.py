@@ -24,6 +24,10 @@ finished, resumes it when its folder exists, starts it otherwise, each in its ow
 process (what a user would type, printed before it runs). A failed run stops the study; running the command again
 continues from that run. `--dry-run` prints the plan and each run's status; `--seed N` (repeatable) runs only those
 seeds, in that order (one machine per seed, or the missing seed first).
+
+A run whose folder is gone but whose archive holds a finished run (a new machine, a deleted runs/) is `archived`:
+it is not run again and its archive stands in for it in the comparisons. An arm that warm-starts from an archived
+run cannot start (an archive keeps no checkpoints): the study says so before any work.
 """
 
 from __future__ import annotations
@@ -96,8 +100,14 @@ class PlannedRun:
     seed: int
     name: str
     dir: Path
-    status: str  # finished | partial | new
+    status: str  # finished | partial | new | archived
     argv: list[str]  # `agentevo ...` arguments (without the program)
+    archive: Path | None = None  # where the study archives it (None: the study keeps no archive)
+
+    @property
+    def results(self) -> Path:
+        """The folder its results are read from: the run's, or its archive's when only the archive is left."""
+        return self.archive if self.status == "archived" and self.archive is not None else self.dir
 
 
 def _overrides(where: str, raw: Any) -> list[str]:
@@ -194,16 +204,24 @@ def run_name(study: Study, arm: str, seed: int) -> str:
     return f"{arm_group(study, arm)}-s{seed}"
 
 
-def run_status(run_dir: Path) -> str:
-    """finished (its recipe returned), partial (a folder to resume) or new."""
+def _finished(run_dir: Path) -> bool:
     state = run_dir / "state.json"
-    if state.exists():
-        try:
-            if FINISHED in json.loads(state.read_text()):
-                return "finished"
-        except (json.JSONDecodeError, TypeError):
-            pass
-    return "partial" if (run_dir / "config.yaml").exists() else "new"
+    try:
+        return state.exists() and FINISHED in json.loads(state.read_text())
+    except (json.JSONDecodeError, TypeError):
+        return False
+
+
+def run_status(run_dir: Path, archive_dir: Path | None = None) -> str:
+    """finished (its recipe returned), partial (a folder to resume), archived (no folder, but `archive_dir` holds the
+    finished run's archive) or new."""
+    if _finished(run_dir):
+        return "finished"
+    if (run_dir / "config.yaml").exists():
+        return "partial"
+    if archive_dir is not None and _finished(archive_dir) and (archive_dir / "experience.db").exists():
+        return "archived"
+    return "new"
 
 
 def _run_overrides(study: Study, arm: Arm, seed: int) -> list[str]:
@@ -229,7 +247,8 @@ def plan(study: Study, quiet: bool = True, seeds: list[int] | None = None) -> li
     for arm, seed in pairs:
         name = run_name(study, arm.name, seed)
         run_dir = study.output_dir / name
-        status = run_status(run_dir)
+        archive_dir = study.archive / name if study.archive is not None else None
+        status = run_status(run_dir, archive_dir)
         tail = ["--quiet"] if quiet else []
         if status == "partial":
             argv = ["resume", str(run_dir), *tail]
@@ -238,14 +257,14 @@ def plan(study: Study, quiet: bool = True, seeds: list[int] | None = None) -> li
             for item in _run_overrides(study, arm, seed):
                 argv += ["--set", item]
             argv += ["--name", name, "--output-dir", str(study.output_dir), *tail]
-        runs.append(PlannedRun(arm, seed, name, run_dir, status, argv))
+        runs.append(PlannedRun(arm, seed, name, run_dir, status, argv, archive_dir))
     return runs
 
 
 def config_drift(study: Study, r: PlannedRun) -> str | None:
     """Where an existing run's config.yaml differs from what the study file now gives it ('key: A in the run, B in
     the study'), None when they agree (or the run has no folder yet)."""
-    path = r.dir / "config.yaml"
+    path = r.results / "config.yaml"
     if not path.exists():
         return None
     wanted = load_config(study.config, _run_overrides(study, r.arm, r.seed), method=r.arm.method, name=r.name,
@@ -270,17 +289,28 @@ def run_study(study: Study, dry_run: bool = False, quiet: bool = True, echo: Cal
     fails."""
     runs = plan(study, quiet, seeds)
     done = sum(r.status == "finished" for r in runs)
-    echo(f"study {study.name}: {len(runs)} runs ({len(study.arms)} arms x {len(study.seeds)} seeds), {done} finished")
+    kept = sum(r.status == "archived" for r in runs)
+    echo(f"study {study.name}: {len(runs)} runs ({len(study.arms)} arms x {len(study.seeds)} seeds), {done} finished"
+         + (f", {kept} left as archives only" if kept else ""))
     for r in runs:
         echo(f"  {r.name:32s} {r.status:8s} agentevo {shlex.join(r.argv)}")
     for r in runs:  # an edited study file must not resume a run made with other settings
         drift = config_drift(study, r) if r.status != "new" else None
         if drift:
             raise ConfigError(f"study {study.name}: run {r.name} was made with other settings than {study.path} gives "
-                              f"now ({drift}); restore the study file, or move {r.dir} aside to run it again")
+                              f"now ({drift}); restore the study file, or move {r.results} aside to run it again")
+    by_name = {(r.arm.name, r.seed): r for r in runs}
+    for r in runs:  # a warm start needs the checkpoint, which an archive does not keep
+        source = by_name.get((r.arm.warm_start_from, r.seed)) if r.arm.warm_start_from else None
+        if source is not None and source.status == "archived" and r.status == "new":
+            raise ConfigError(f"study {study.name}: run {r.name} starts from {source.name}, which is left only as an "
+                              f"archive ({source.archive}, no checkpoints); move that archive aside so the study runs "
+                              f"{source.name} again first")
     if dry_run:
         return runs
     for r in runs:
+        if r.status == "archived":
+            continue
         if r.status != "finished":
             echo(f"{r.name}: {'resuming' if r.status == 'partial' else 'starting'}")
             code = runner(r.argv)
@@ -292,9 +322,9 @@ def run_study(study: Study, dry_run: bool = False, quiet: bool = True, echo: Cal
             from agentevo.data.archive import archive_run
 
             echo(archive_run(r.dir, study.archive, steps=False).line(r.dir))
-    every = [r for r in plan(study, quiet) if r.status == "finished"]  # other seeds' finished runs count too
+    every = [r for r in plan(study, quiet) if r.status in ("finished", "archived")]  # other seeds' count too
     for c in study.compare:
-        dirs = [r.dir for r in every if r.arm.name in c.arms]
+        dirs = [r.results for r in every if r.arm.name in c.arms]
         if not dirs or (c.baseline and not any(r.arm.name == c.baseline for r in every)):
             echo(f"compare -> {c.out}: skipped, its arms have no finished runs yet")
             continue

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,38 @@ def test_a_study_runs_what_is_left_archives_and_compares(tmp_path: Path) -> None
                                           r"the run, 0.002 in the study\); restore the study file, or move .*st-lr-s0 "
                                           r"aside"):
         run_study(edited, dry_run=True, echo=lambda _: None, runner=runner)
+
+
+def test_archives_stand_in_for_lost_run_folders(tmp_path: Path) -> None:
+    study = load_study(_study(tmp_path))
+    calls, runner = _fake_train(tmp_path / "runs", {"base": [0, 1, 0, 0], "lr": [1, 1, 1, 0]})
+    run_study(study, echo=lambda _: None, runner=runner)
+    before = (tmp_path / "cmp" / "compare.md").read_text()
+    shutil.rmtree(tmp_path / "runs")  # a new machine: every run folder gone, the committed archives left
+    shutil.rmtree(tmp_path / "cmp")
+    calls.clear()
+    lines: list[str] = []
+    runs = run_study(study, echo=lines.append, runner=runner)
+    assert calls == [] and [r.status for r in runs] == ["archived"] * 4
+    assert lines[0] == "study st: 4 runs (2 arms x 2 seeds), 0 finished, 4 left as archives only"
+    assert runs[0].results == tmp_path / "arch" / "st-base-s0"
+    assert lines[1].startswith("  st-base-s0                       archived")
+    after = (tmp_path / "cmp" / "compare.md").read_text()
+    assert "arch/st-base-s0" in after.splitlines()[2]  # read from the archives ...
+    assert after.splitlines()[3:] == before.splitlines()[3:]  # ... and compared as the runs were
+    # an archive without the finished marker (or without its store) is not a finished run
+    state = json.loads((tmp_path / "arch" / "st-lr-s1" / "state.json").read_text())
+    del state["finished"]
+    (tmp_path / "arch" / "st-lr-s1" / "state.json").write_text(json.dumps(state))
+    assert run_status(tmp_path / "runs" / "st-lr-s1", tmp_path / "arch" / "st-lr-s1") == "new"
+    # that run warm-starts from st-base-s1, of which only the archive (no checkpoint) is left: refused before any work
+    with pytest.raises(ConfigError, match=r"run st-lr-s1 starts from st-base-s1, which is left only as an archive "
+                                          r"\(.*st-base-s1, no checkpoints\); move that archive aside"):
+        run_study(study, echo=lambda _: None, runner=runner)
+    assert calls == []
+    shutil.move(tmp_path / "arch" / "st-base-s1", tmp_path / "aside")
+    run_study(study, echo=lambda _: None, runner=runner)
+    assert [c[c.index("--name") + 1] for c in calls] == ["st-base-s1", "st-lr-s1"]
 
 
 def test_a_failed_run_stops_the_study_with_the_way_on(tmp_path: Path) -> None:
