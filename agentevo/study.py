@@ -14,6 +14,8 @@ A study file (YAML) names what a bash loop over `agentevo train` would, and noth
       none: {set: {selfguide.guide: none}}
       lam0: {set: {selfguide.schedule: none}}
       const: {set: {selfguide.schedule: constant}, warm_start_from: lam0}   # that arm's run of the same seed
+      # an arm may name its own base config (and take its recipe from it), and a value may name another arm's run
+      # of the same seed as {run:ARM}: e.g. {config: configs/x.yaml, set: {qevolve.round1_data_from: "{run:qe}"}}
     archive: docs/studies/x/runs    # optional: `agentevo archive --no-steps` of each finished run
     compare:                        # optional: `agentevo compare` calls once every run has finished
       - {baseline: none, out: runs/cmp/vs-none}
@@ -23,7 +25,8 @@ A study file (YAML) names what a bash loop over `agentevo train` would, and noth
 finished, resumes it when its folder exists, starts it otherwise, each in its own `agentevo train` / `resume`
 process (what a user would type, printed before it runs). A failed run stops the study; running the command again
 continues from that run. `--dry-run` prints the plan and each run's status; `--seed N` (repeatable) runs only those
-seeds, in that order (one machine per seed, or the missing seed first).
+seeds, in that order (one machine per seed, or the missing seed first); `--arm NAME` (repeatable) only those arms
+and the arms they read from.
 
 A run whose folder is gone but whose archive holds a finished run (a new machine, a deleted runs/) is `archived`:
 it is not run again and its archive stands in for it in the comparisons. An arm that warm-starts from an archived
@@ -50,19 +53,23 @@ from agentevo.eval.compare import SEED_SUFFIX, compare
 from agentevo.run import FINISHED
 
 STUDY_KEYS = ("name", "output_dir", "seeds", "order", "method", "config", "set", "arms", "archive", "compare")
-ARM_KEYS = ("method", "set", "warm_start_from")
+ARM_KEYS = ("method", "config", "set", "warm_start_from")
 COMPARE_KEYS = ("arms", "baseline", "baseline_point", "split", "metric", "out")
 _ARM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
+_RUN_REF = re.compile(r"\{run:([^}]*)\}")  # {run:ARM}: that arm's run folder, same seed
 
 
 @dataclass
 class Arm:
-    """One arm: its recipe, its overrides (beside the study's) and the arm whose run of the same seed it starts from."""
+    """One arm: its recipe, base config, overrides (beside the study's), the arm whose run of the same seed it starts
+    from, and every arm whose run it reads (the warm start and each {run:ARM} in its overrides)."""
 
     name: str
     method: str
     overrides: list[str]
     warm_start_from: str | None = None
+    config: str | None = None
+    needs: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -114,8 +121,9 @@ def _overrides(where: str, raw: Any) -> list[str]:
     """A `set:` block (mapping of dotted keys, or a list of KEY=VALUE strings) as --set strings."""
     if raw is None:
         return []
-    if isinstance(raw, dict):
-        return [f"{k}={yaml.safe_dump(v, default_flow_style=True, width=10**6).strip().removesuffix('...').strip()}"
+    if isinstance(raw, dict):  # a {run:ARM} path stays unquoted, so the command line shows the folder plainly
+        return [f"{k}={v}" if isinstance(v, str) and _RUN_REF.search(v) else
+                f"{k}={yaml.safe_dump(v, default_flow_style=True, width=10**6).strip().removesuffix('...').strip()}"
                 for k, v in raw.items()]
     if isinstance(raw, list) and all(isinstance(x, str) and "=" in x for x in raw):
         return list(raw)
@@ -156,19 +164,29 @@ def load_study(path: str | Path, check_configs: bool = True) -> Study:
         arm_where = f"{where}, arm {arm_name!r}"
         raw = raw or {}
         if not isinstance(raw, dict):
-            raise ConfigError(f"{arm_where}: settings must be a mapping (method, set, warm_start_from)")
+            raise ConfigError(f"{arm_where}: settings must be a mapping (method, config, set, warm_start_from)")
         _unknown(arm_where, raw, ARM_KEYS)
         # a name ending in -sN would break compare's NAME-sN grouping
         if not isinstance(arm_name, str) or not _ARM_NAME.fullmatch(arm_name) or SEED_SUFFIX.search(arm_name):
             raise ConfigError(f"{arm_where}: an arm's name is letters, digits, '-' and '_' and does not end in -sN")
+        config = raw.get("config", data.get("config"))
+        if config is not None and not Path(config).exists():
+            raise ConfigError(f"{arm_where}: config file {config!r} does not exist; see configs/ for examples")
         method = raw.get("method", base_method)
+        if not method and config is not None:
+            method = read_yaml_mapping(Path(config)).get("method")
         if not method:
-            raise ConfigError(f"{arm_where}: no recipe; set 'method' for the study or the arm")
+            raise ConfigError(f"{arm_where}: no recipe; set 'method' for the study or the arm (or in its config)")
         dep = raw.get("warm_start_from")
-        if dep is not None and dep not in [a.name for a in arms]:
-            raise ConfigError(f"{arm_where}: warm_start_from {dep!r} must name an arm listed before it (its run of the "
-                              "same seed has to finish first)")
-        arms.append(Arm(arm_name, str(method), base_sets + _overrides(arm_where, raw.get("set")), dep))
+        sets = base_sets + _overrides(arm_where, raw.get("set"))
+        needs = list(dict.fromkeys([*([dep] if dep is not None else []),
+                                    *(m for item in sets for m in _RUN_REF.findall(item))]))
+        for need in needs:
+            if need not in [a.name for a in arms]:
+                how = f"warm_start_from {need!r}" if need == dep else f"{{run:{need}}}"
+                raise ConfigError(f"{arm_where}: {how} must name an arm listed before it (its run of the same seed has "
+                                  "to finish first)")
+        arms.append(Arm(arm_name, str(method), sets, dep, config, needs))
     compares = []
     for k, raw in enumerate(data.get("compare") or []):
         c_where = f"{where}, compare #{k + 1}"
@@ -187,7 +205,7 @@ def load_study(path: str | Path, check_configs: bool = True) -> Study:
     if check_configs:
         for arm in arms:  # every arm's config is checked now, not hours later when its turn comes
             try:
-                load_config(study.config, [*arm.overrides, f"seed={seeds[0]}"], method=arm.method,
+                load_config(arm.config, _run_overrides(study, arm, seeds[0], warm_start=False), method=arm.method,
                             name=run_name(study, arm.name, seeds[0]), output_dir=str(study.output_dir))
             except ConfigError as exc:
                 raise ConfigError(f"{where}, arm {arm.name!r}: {exc}") from None
@@ -224,25 +242,46 @@ def run_status(run_dir: Path, archive_dir: Path | None = None) -> str:
     return "new"
 
 
-def _run_overrides(study: Study, arm: Arm, seed: int) -> list[str]:
-    """The --set overrides of one run: the study's and the arm's, the seed, and the warm start's run folder."""
-    sets = [*arm.overrides, f"seed={seed}"]
-    if arm.warm_start_from:
+def _run_overrides(study: Study, arm: Arm, seed: int, warm_start: bool = True) -> list[str]:
+    """The --set overrides of one run: the study's and the arm's (each {run:ARM} as that arm's run folder), the seed,
+    and the warm start's run folder."""
+    def folder(m: re.Match[str]) -> str:
+        return str(study.output_dir / run_name(study, m.group(1), seed))
+
+    sets = [_RUN_REF.sub(folder, item) for item in arm.overrides] + [f"seed={seed}"]
+    if arm.warm_start_from and warm_start:
         sets.append(f"bc.warm_start_from={study.output_dir / run_name(study, arm.warm_start_from, seed)}")
     return sets
 
 
-def plan(study: Study, quiet: bool = True, seeds: list[int] | None = None) -> list[PlannedRun]:
-    """Every run of the study in the order it runs (only `seeds`, in that order, when given), with its status and the
-    command that (re)runs it."""
+def with_needs(study: Study, arms: list[str]) -> list[str]:
+    """`arms` and every arm whose runs they read (warm starts, {run:ARM}), transitively, in the study's order."""
+    known = {a.name: a for a in study.arms}
+    unknown = [a for a in arms if a not in known]
+    if unknown:
+        raise ConfigError(f"--arm {unknown[0]} is not an arm of study {study.name} ({', '.join(known)})")
+    wanted, todo = set(), list(arms)
+    while todo:
+        name = todo.pop()
+        if name not in wanted:
+            wanted.add(name)
+            todo.extend(known[name].needs)
+    return [a.name for a in study.arms if a.name in wanted]
+
+
+def plan(study: Study, quiet: bool = True, seeds: list[int] | None = None,
+         arms: list[str] | None = None) -> list[PlannedRun]:
+    """Every run of the study in the order it runs (only `seeds`, in that order, when given; only `arms` and the arms
+    they read from, when given), with its status and the command that (re)runs it."""
+    chosen = [a for a in study.arms if a.name in with_needs(study, arms)] if arms else study.arms
     if seeds:
         unknown = [s for s in seeds if s not in study.seeds]
         if unknown:
             raise ConfigError(f"--seed {unknown[0]} is not a seed of study {study.name} "
                               f"({', '.join(map(str, study.seeds))}); add it to the study file's seeds first")
     order = seeds or study.seeds
-    pairs = ([(arm, seed) for seed in order for arm in study.arms] if study.order == "seed"
-             else [(arm, seed) for arm in study.arms for seed in order])
+    pairs = ([(arm, seed) for seed in order for arm in chosen] if study.order == "seed"
+             else [(arm, seed) for arm in chosen for seed in order])
     runs = []
     for arm, seed in pairs:
         name = run_name(study, arm.name, seed)
@@ -253,7 +292,7 @@ def plan(study: Study, quiet: bool = True, seeds: list[int] | None = None) -> li
         if status == "partial":
             argv = ["resume", str(run_dir), *tail]
         else:
-            argv = ["train", arm.method, *(["--config", study.config] if study.config else [])]
+            argv = ["train", arm.method, *(["--config", arm.config] if arm.config else [])]
             for item in _run_overrides(study, arm, seed):
                 argv += ["--set", item]
             argv += ["--name", name, "--output-dir", str(study.output_dir), *tail]
@@ -267,7 +306,7 @@ def config_drift(study: Study, r: PlannedRun) -> str | None:
     path = r.results / "config.yaml"
     if not path.exists():
         return None
-    wanted = load_config(study.config, _run_overrides(study, r.arm, r.seed), method=r.arm.method, name=r.name,
+    wanted = load_config(r.arm.config, _run_overrides(study, r.arm, r.seed), method=r.arm.method, name=r.name,
                          output_dir=str(study.output_dir))
     ours = flatten_dotted(yaml.safe_load(dump_config(wanted)))
     theirs = flatten_dotted(yaml.safe_load(path.read_text()) or {})
@@ -282,15 +321,17 @@ def _subprocess_runner(argv: list[str]) -> int:
 
 
 def run_study(study: Study, dry_run: bool = False, quiet: bool = True, echo: Callable[[str], None] = print,
-              runner: Callable[[list[str]], int] = _subprocess_runner, seeds: list[int] | None = None
-              ) -> list[PlannedRun]:
-    """Run (or with dry_run only print) the study's unfinished runs in order (only `seeds` when given), archive each
-    finished run, then write the comparisons over every finished run. Raises ConfigError naming the run when one
-    fails."""
-    runs = plan(study, quiet, seeds)
+              runner: Callable[[list[str]], int] = _subprocess_runner, seeds: list[int] | None = None,
+              arms: list[str] | None = None) -> list[PlannedRun]:
+    """Run (or with dry_run only print) the study's unfinished runs in order (only `seeds` and `arms`, with the arms
+    those read from, when given), archive each finished run, then write the comparisons over every finished run.
+    Raises ConfigError naming the run when one fails."""
+    runs = plan(study, quiet, seeds, arms)
     done = sum(r.status == "finished" for r in runs)
     kept = sum(r.status == "archived" for r in runs)
-    echo(f"study {study.name}: {len(runs)} runs ({len(study.arms)} arms x {len(study.seeds)} seeds), {done} finished"
+    n_arms, n_seeds = len({r.arm.name for r in runs}), len({r.seed for r in runs})
+    echo(f"study {study.name}: {len(runs)} runs ({n_arms} arm{'s' * (n_arms != 1)} x {n_seeds} "
+         f"seed{'s' * (n_seeds != 1)}), {done} finished"
          + (f", {kept} left as archives only" if kept else ""))
     for r in runs:
         echo(f"  {r.name:32s} {r.status:8s} agentevo {shlex.join(r.argv)}")
@@ -300,12 +341,13 @@ def run_study(study: Study, dry_run: bool = False, quiet: bool = True, echo: Cal
             raise ConfigError(f"study {study.name}: run {r.name} was made with other settings than {study.path} gives "
                               f"now ({drift}); restore the study file, or move {r.results} aside to run it again")
     by_name = {(r.arm.name, r.seed): r for r in runs}
-    for r in runs:  # a warm start needs the checkpoint, which an archive does not keep
-        source = by_name.get((r.arm.warm_start_from, r.seed)) if r.arm.warm_start_from else None
-        if source is not None and source.status == "archived" and r.status == "new":
-            raise ConfigError(f"study {study.name}: run {r.name} starts from {source.name}, which is left only as an "
-                              f"archive ({source.archive}, no checkpoints); move that archive aside so the study runs "
-                              f"{source.name} again first")
+    for r in runs:  # a run that reads another needs its folder (checkpoints, data), which an archive does not keep
+        for need in r.arm.needs if r.status == "new" else []:
+            source = by_name.get((need, r.seed))
+            if source is not None and source.status == "archived":
+                raise ConfigError(f"study {study.name}: run {r.name} starts from {source.name}, which is left only as "
+                                  f"an archive ({source.archive}, no checkpoints); move that archive aside so the "
+                                  f"study runs {source.name} again first")
     if dry_run:
         return runs
     for r in runs:

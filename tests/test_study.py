@@ -15,7 +15,7 @@ from agentevo.data.types import Trajectory
 from agentevo.envs.base import Task
 from agentevo.errors import ConfigError
 from agentevo.eval.metrics import eval_collection
-from agentevo.study import load_study, plan, run_status, run_study
+from agentevo.study import load_study, plan, run_status, run_study, with_needs
 
 STUDY = """
 name: st
@@ -49,7 +49,8 @@ def _fake_train(out: Path, wins: dict[str, list[int]]) -> tuple[list[list[str]],
         run.mkdir(parents=True, exist_ok=True)
         if argv[0] == "train":  # the config `agentevo train` would write
             sets = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
-            (run / "config.yaml").write_text(dump_config(load_config(None, sets, method=argv[1], name=name,
+            base = argv[argv.index("--config") + 1] if "--config" in argv else None
+            (run / "config.yaml").write_text(dump_config(load_config(base, sets, method=argv[1], name=name,
                                                                      output_dir=str(out))))
         won = wins[name.rsplit("-s", 1)[0].split("-", 1)[1]]
         state = {"eval/bc": {"test": {"success_rate": sum(won) / len(won), "avg_reward": 0.0}}, "finished": {}}
@@ -148,6 +149,43 @@ def test_archives_stand_in_for_lost_run_folders(tmp_path: Path) -> None:
     assert [c[c.index("--name") + 1] for c in calls] == ["st-base-s1", "st-lr-s1"]
 
 
+def test_an_arm_takes_its_own_config_and_names_other_arms_runs(tmp_path: Path) -> None:
+    base = tmp_path / "base.yaml"
+    base.write_text("method: bc\noptim:\n  lr: 0.003\n")
+    text = STUDY.replace("method: bc\n", "").replace("  base: {{}}", "  base: {{method: bc}}").replace(
+        "  lr: {{set: {{optim.lr: 0.001}}, warm_start_from: base}}",
+        "  lr: {{method: bc, set: {{optim.lr: 0.001}}, warm_start_from: base}}\n"
+        "  own: {{config: {cfg}, set: {{bc.warm_start_from: '{{run:lr}}'}}}}")
+    study = load_study(_study(tmp_path, text, cfg=str(base)))
+    own = study.arms[2]
+    assert (own.method, own.config, own.needs) == ("bc", str(base), ["lr"])  # the recipe read from its config
+    argv = plan(study, seeds=[1])[2].argv
+    assert [r.name for r in plan(study, arms=["own"])] == ["st-base-s0", "st-lr-s0", "st-own-s0", "st-base-s1",
+                                                            "st-lr-s1", "st-own-s1"]  # with the arms it reads
+    assert [r.name for r in plan(study, seeds=[1], arms=["base"])] == ["st-base-s1"]
+    with pytest.raises(ConfigError, match=r"--arm nope is not an arm of study st \(base, lr, own\)"):
+        plan(study, arms=["nope"])
+    assert argv[:4] == ["train", "bc", "--config", str(base)]
+    assert f"bc.warm_start_from={tmp_path / 'runs' / 'st-lr-s1'}" in argv  # unquoted, this seed's run
+    calls, runner = _fake_train(tmp_path / "runs", {"base": [0, 1], "lr": [1, 1], "own": [1, 0]})
+    run_study(study, echo=lambda _: None, runner=runner, seeds=[0])
+    cfg = load_config(tmp_path / "runs" / "st-own-s0" / "config.yaml")
+    assert (cfg.optim.lr, cfg.bc.warm_start_from) == (0.003, str(tmp_path / "runs" / "st-lr-s0"))
+    # a run that reads an arm left only as an archive is refused, as a warm start is
+    shutil.rmtree(tmp_path / "runs" / "st-lr-s0")
+    shutil.rmtree(tmp_path / "runs" / "st-own-s0")
+    shutil.rmtree(tmp_path / "arch" / "st-own-s0")  # (with its archive it would count as done)
+    with pytest.raises(ConfigError, match="run st-own-s0 starts from st-lr-s0, which is left only as an archive"):
+        run_study(study, echo=lambda _: None, runner=runner, seeds=[0])
+    bad = text.replace("'{{run:lr}}'", "'{{run:later}}'")
+    with pytest.raises(ConfigError, match=r"arm 'own': \{run:later\} must name an arm listed before it"):
+        load_study(_study(tmp_path, bad, cfg=str(base)))
+    with pytest.raises(ConfigError, match=r"arm 'base': no recipe; set 'method' for the study or the arm"):
+        load_study(_study(tmp_path, text.replace("  base: {{method: bc}}", "  base: {{}}"), cfg=str(base)))
+    with pytest.raises(ConfigError, match=r"arm 'own': config file '.*nowhere.yaml' does not exist"):
+        load_study(_study(tmp_path, text, cfg=str(tmp_path / "nowhere.yaml")))
+
+
 def test_a_failed_run_stops_the_study_with_the_way_on(tmp_path: Path) -> None:
     study = load_study(_study(tmp_path))
     with pytest.raises(ConfigError, match=r"run st-base-s0 stopped \(exit code 3\).*run `agentevo study .*s.study"
@@ -184,3 +222,14 @@ def test_the_shipped_stall_probe_study_reads() -> None:
     assert [(a.name, a.warm_start_from) for a in study.arms] == [("none", None), ("lam0", None), ("const", "lam0")]
     assert study.seeds == [0, 1, 2] and len(plan(study)) == 9
     assert "selfguide.schedule=constant" in study.arms[2].overrides and "eval.samples=4" in study.arms[2].overrides
+
+
+def test_the_shipped_qevolve_study_reads() -> None:
+    study = load_study("configs/study/qevolve_cookingworld.study.yaml")  # every arm's config built and validated
+    assert len(study.arms) == 12 and len(plan(study)) == 36
+    assert with_needs(study, ["qe-wo-gae"]) == ["bc", "qe", "qe-wo-gae"]
+    wo_gae = plan(study, seeds=[1], arms=["qe-wo-gae"])[2]
+    cfg = load_config(wo_gae.arm.config, [wo_gae.argv[i + 1] for i, a in enumerate(wo_gae.argv) if a == "--set"],
+                      method=wo_gae.arm.method)
+    assert (cfg.seed, cfg.qevolve.pr, cfg.qevolve.n_iters) == (1, "q_minus_v", 1)
+    assert (cfg.qevolve.round1_data_from, cfg.bc.warm_start_from) == ("runs/qe200/qe200-qe-s1", "runs/qe200/qe200-bc-s1")
