@@ -219,8 +219,11 @@ def test_dry_run_from_the_command_line(tmp_path: Path, capsys: pytest.CaptureFix
 
 def test_the_shipped_stall_probe_study_reads() -> None:
     study = load_study("configs/study/selfguide_stall_probe.study.yaml", check_configs=False)
-    assert [(a.name, a.warm_start_from) for a in study.arms] == [("none", None), ("lam0", None), ("const", "lam0")]
-    assert study.seeds == [0, 1, 2] and len(plan(study)) == 9
+    assert [(a.name, a.warm_start_from) for a in study.arms] == [("none", None), ("lam0", None), ("const", "lam0"),
+                                                                 ("step", "lam0"), ("pen", "lam0")]
+    assert study.seeds == [0, 1, 2] and len(plan(study)) == 15
+    assert [r.name for r in plan(study, seeds=[2], arms=["const"])] == ["sg8s-lam0-s2", "sg8s-const-s2"]
+    assert "selfguide.int_norm=step" in study.arms[3].overrides and "grpo.invalid_penalty=0.1" in study.arms[4].overrides
     assert "selfguide.schedule=constant" in study.arms[2].overrides and "eval.samples=4" in study.arms[2].overrides
 
 
