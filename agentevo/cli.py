@@ -284,7 +284,8 @@ def cmd_archive(args: argparse.Namespace) -> int:
 def cmd_study(args: argparse.Namespace) -> int:
     from agentevo.study import load_study, run_study
 
-    run_study(load_study(args.file), dry_run=args.dry_run, quiet=not args.progress, seeds=args.seed, arms=args.arm)
+    run_study(load_study(args.file), dry_run=args.dry_run, quiet=not args.progress, seeds=args.seed, arms=args.arm,
+              rerun_sources=args.rerun_sources)
     return 0
 
 
@@ -377,6 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--progress", action="store_true", help="progress bars in each run (default: plain lines)")
     p.add_argument("--seed", action="append", type=int, help="only this seed (repeatable; runs in the order given)")
     p.add_argument("--arm", action="append", help="only this arm and the arms it reads from (repeatable)")
+    p.add_argument("--rerun-sources", action="store_true",
+                   help="run again an archived run that a new run starts from (an archive keeps no checkpoints); it "
+                        "must reproduce its archive's evaluations")
     p.set_defaults(fn=cmd_study)
 
     p = sub.add_parser("archive", help="a run's record without its weights (config, state, metrics, report, and "

@@ -29,8 +29,11 @@ seeds, in that order (one machine per seed, or the missing seed first); `--arm N
 and the arms they read from.
 
 A run whose folder is gone but whose archive holds a finished run (a new machine, a deleted runs/) is `archived`:
-it is not run again and its archive stands in for it in the comparisons. An arm that warm-starts from an archived
-run cannot start (an archive keeps no checkpoints): the study says so before any work.
+it is not run again and its archive stands in for it in the comparisons. A run that starts from an archived run
+(a warm start, a {run:ARM}) needs that run's folder, which an archive does not keep: the study refuses before any
+work, or with `--rerun-sources` runs the source again first and goes on only if the rerun's evaluations equal its
+archive's (same CPU model and threads reproduce a run exactly; another model trains another network). A finished
+run is never archived over an archive of a finished run whose evaluations differ.
 """
 
 from __future__ import annotations
@@ -222,6 +225,31 @@ def run_name(study: Study, arm: str, seed: int) -> str:
     return f"{arm_group(study, arm)}-s{seed}"
 
 
+def eval_summary(run_dir: Path) -> dict[str, tuple[Any, ...]]:
+    """Each evaluation's split results in a run's (or archive's) state.json: 'eval/bc/test' -> (task hash, n, success
+    rate, average reward)."""
+    try:
+        state = json.loads((run_dir / "state.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return {f"{phase}/{split}": (r.get("task_hash"), r.get("n"), r.get("success_rate"), r.get("avg_reward"))
+            for phase, splits in state.items() if phase.startswith("eval/") and isinstance(splits, dict)
+            for split, r in splits.items() if isinstance(r, dict)}
+
+
+def _shown(result: tuple[Any, ...] | None) -> str:
+    return "missing" if result is None else f"success {result[2]} on {result[1]} (tasks {result[0]})"
+
+
+def summary_difference(archived: dict[str, tuple[Any, ...]], now: dict[str, tuple[Any, ...]]) -> str | None:
+    """The first evaluation where two summaries differ ('eval/bc/test: success 0.28 ... archived, 0.265 ... now'),
+    else None."""
+    for key in sorted(set(archived) | set(now)):
+        if archived.get(key) != now.get(key):
+            return f"{key}: {_shown(archived.get(key))} archived, {_shown(now.get(key))} now"
+    return None
+
+
 def _finished(run_dir: Path) -> bool:
     state = run_dir / "state.json"
     try:
@@ -322,9 +350,10 @@ def _subprocess_runner(argv: list[str]) -> int:
 
 def run_study(study: Study, dry_run: bool = False, quiet: bool = True, echo: Callable[[str], None] = print,
               runner: Callable[[list[str]], int] = _subprocess_runner, seeds: list[int] | None = None,
-              arms: list[str] | None = None) -> list[PlannedRun]:
+              arms: list[str] | None = None, rerun_sources: bool = False) -> list[PlannedRun]:
     """Run (or with dry_run only print) the study's unfinished runs in order (only `seeds` and `arms`, with the arms
     those read from, when given), archive each finished run, then write the comparisons over every finished run.
+    With rerun_sources an archived run that a new run starts from is run again (and must reproduce its archive).
     Raises ConfigError naming the run when one fails."""
     runs = plan(study, quiet, seeds, arms)
     done = sum(r.status == "finished" for r in runs)
@@ -341,13 +370,21 @@ def run_study(study: Study, dry_run: bool = False, quiet: bool = True, echo: Cal
             raise ConfigError(f"study {study.name}: run {r.name} was made with other settings than {study.path} gives "
                               f"now ({drift}); restore the study file, or move {r.results} aside to run it again")
     by_name = {(r.arm.name, r.seed): r for r in runs}
+    reruns: set[str] = set()
     for r in runs:  # a run that reads another needs its folder (checkpoints, data), which an archive does not keep
         for need in r.arm.needs if r.status == "new" else []:
             source = by_name.get((need, r.seed))
             if source is not None and source.status == "archived":
-                raise ConfigError(f"study {study.name}: run {r.name} starts from {source.name}, which is left only as "
-                                  f"an archive ({source.archive}, no checkpoints); move that archive aside so the "
-                                  f"study runs {source.name} again first")
+                if not rerun_sources:
+                    raise ConfigError(f"study {study.name}: run {r.name} starts from {source.name}, which is left only "
+                                      f"as an archive ({source.archive}, no checkpoints); pass --rerun-sources to run "
+                                      f"{source.name} again first (it must reproduce its archive), or move that "
+                                      "archive aside")
+                reruns.add(source.name)
+    for r in runs:
+        if r.name in reruns:
+            r.status = "new"
+            echo(f"  {r.name}: run again (read by a later run; its archive has no checkpoints)")
     if dry_run:
         return runs
     for r in runs:
@@ -360,10 +397,20 @@ def run_study(study: Study, dry_run: bool = False, quiet: bool = True, echo: Cal
                 raise ConfigError(f"study {study.name}: run {r.name} stopped (exit code {code}); see its output, fix "
                                   f"the cause and run `agentevo study {study.path}` again to continue from it")
             r.status = "finished"
-        if study.archive is not None:
+        if r.archive is not None:
             from agentevo.data.archive import archive_run
 
-            echo(archive_run(r.dir, study.archive, steps=False).line(r.dir))
+            if _finished(r.archive):  # a rerun (or a run made again) must not replace a finished run's record
+                diff = summary_difference(eval_summary(r.archive), eval_summary(r.dir))
+                if diff:
+                    raise ConfigError(f"study {study.name}: run {r.name} differs from its archive ({diff}); runs "
+                                      f"that read it would start from another model than its archived runs did. Run "
+                                      f"it on the CPU model (and threads) that made the archive, or move "
+                                      f"{r.archive} aside to keep the new run")
+                if r.name in reruns:
+                    n = len(eval_summary(r.dir))
+                    echo(f"{r.name}: the rerun reproduces its archive ({n} evaluation{'s' * (n != 1)} equal)")
+            echo(archive_run(r.dir, r.archive.parent, steps=False).line(r.dir))
     every = [r for r in plan(study, quiet) if r.status in ("finished", "archived")]  # other seeds' count too
     for c in study.compare:
         dirs = [r.results for r in every if r.arm.name in c.arms]

@@ -141,12 +141,25 @@ def test_archives_stand_in_for_lost_run_folders(tmp_path: Path) -> None:
     assert run_status(tmp_path / "runs" / "st-lr-s1", tmp_path / "arch" / "st-lr-s1") == "new"
     # that run warm-starts from st-base-s1, of which only the archive (no checkpoint) is left: refused before any work
     with pytest.raises(ConfigError, match=r"run st-lr-s1 starts from st-base-s1, which is left only as an archive "
-                                          r"\(.*st-base-s1, no checkpoints\); move that archive aside"):
+                                          r"\(.*st-base-s1, no checkpoints\); pass --rerun-sources to run st-base-s1 "
+                                          r"again first \(it must reproduce its archive\), or move that archive aside"):
         run_study(study, echo=lambda _: None, runner=runner)
     assert calls == []
-    shutil.move(tmp_path / "arch" / "st-base-s1", tmp_path / "aside")
-    run_study(study, echo=lambda _: None, runner=runner)
+    # --rerun-sources runs the source again; a rerun that trains another model stops before anything reads it
+    other_calls, other = _fake_train(tmp_path / "runs", {"base": [1, 1, 0, 0], "lr": [1, 1, 1, 0]})
+    archived = (tmp_path / "arch" / "st-base-s1" / "state.json").read_text()
+    with pytest.raises(ConfigError, match=r"run st-base-s1 differs from its archive \(eval/bc/test: success 0.25 on "
+                                          r"None \(tasks None\) archived, success 0.5 on None \(tasks None\) now\).* "
+                                          r"move .*st-base-s1 aside to keep the new run"):
+        run_study(study, echo=lambda _: None, runner=other, rerun_sources=True)
+    assert [c[c.index("--name") + 1] for c in other_calls] == ["st-base-s1"]
+    assert (tmp_path / "arch" / "st-base-s1" / "state.json").read_text() == archived  # the record is kept
+    shutil.rmtree(tmp_path / "runs" / "st-base-s1")
+    lines.clear()
+    run_study(study, echo=lines.append, runner=runner, rerun_sources=True)  # the same training reproduces it
     assert [c[c.index("--name") + 1] for c in calls] == ["st-base-s1", "st-lr-s1"]
+    assert "  st-base-s1: run again (read by a later run; its archive has no checkpoints)" in lines
+    assert "st-base-s1: the rerun reproduces its archive (1 evaluation equal)" in lines
 
 
 def test_an_arm_takes_its_own_config_and_names_other_arms_runs(tmp_path: Path) -> None:
