@@ -208,7 +208,7 @@ def load_study(path: str | Path, check_configs: bool = True) -> Study:
     if check_configs:
         for arm in arms:  # every arm's config is checked now, not hours later when its turn comes
             try:
-                load_config(arm.config, _run_overrides(study, arm, seeds[0], warm_start=False), method=arm.method,
+                load_config(arm.config, _run_overrides(study, arm, seeds[0]), method=arm.method,
                             name=run_name(study, arm.name, seeds[0]), output_dir=str(study.output_dir))
             except ConfigError as exc:
                 raise ConfigError(f"{where}, arm {arm.name!r}: {exc}") from None
@@ -270,15 +270,15 @@ def run_status(run_dir: Path, archive_dir: Path | None = None) -> str:
     return "new"
 
 
-def _run_overrides(study: Study, arm: Arm, seed: int, warm_start: bool = True) -> list[str]:
+def _run_overrides(study: Study, arm: Arm, seed: int) -> list[str]:
     """The --set overrides of one run: the study's and the arm's (each {run:ARM} as that arm's run folder), the seed,
     and the warm start's run folder."""
-    def folder(m: re.Match[str]) -> str:
-        return str(study.output_dir / run_name(study, m.group(1), seed))
+    def folder(name: str) -> Path:
+        return study.output_dir / run_name(study, name, seed)
 
-    sets = [_RUN_REF.sub(folder, item) for item in arm.overrides] + [f"seed={seed}"]
-    if arm.warm_start_from and warm_start:
-        sets.append(f"bc.warm_start_from={study.output_dir / run_name(study, arm.warm_start_from, seed)}")
+    sets = [_RUN_REF.sub(lambda m: str(folder(m.group(1))), item) for item in arm.overrides] + [f"seed={seed}"]
+    if arm.warm_start_from:
+        sets.append(f"bc.warm_start_from={folder(arm.warm_start_from)}")
     return sets
 
 
@@ -301,7 +301,8 @@ def plan(study: Study, quiet: bool = True, seeds: list[int] | None = None,
          arms: list[str] | None = None) -> list[PlannedRun]:
     """Every run of the study in the order it runs (only `seeds`, in that order, when given; only `arms` and the arms
     they read from, when given), with its status and the command that (re)runs it."""
-    chosen = [a for a in study.arms if a.name in with_needs(study, arms)] if arms else study.arms
+    wanted = with_needs(study, arms) if arms else [a.name for a in study.arms]
+    chosen = [a for a in study.arms if a.name in wanted]
     if seeds:
         unknown = [s for s in seeds if s not in study.seeds]
         if unknown:
@@ -401,14 +402,15 @@ def run_study(study: Study, dry_run: bool = False, quiet: bool = True, echo: Cal
             from agentevo.data.archive import archive_run
 
             if _finished(r.archive):  # a rerun (or a run made again) must not replace a finished run's record
-                diff = summary_difference(eval_summary(r.archive), eval_summary(r.dir))
+                now = eval_summary(r.dir)
+                diff = summary_difference(eval_summary(r.archive), now)
                 if diff:
                     raise ConfigError(f"study {study.name}: run {r.name} differs from its archive ({diff}); runs "
                                       f"that read it would start from another model than its archived runs did. Run "
                                       f"it on the CPU model (and threads) that made the archive, or move "
                                       f"{r.archive} aside to keep the new run")
                 if r.name in reruns:
-                    n = len(eval_summary(r.dir))
+                    n = len(now)
                     echo(f"{r.name}: the rerun reproduces its archive ({n} evaluation{'s' * (n != 1)} equal)")
             echo(archive_run(r.dir, r.archive.parent, steps=False).line(r.dir))
     every = [r for r in plan(study, quiet) if r.status in ("finished", "archived")]  # other seeds' count too
