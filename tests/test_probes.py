@@ -335,6 +335,33 @@ def test_qevolve_ablation_changes_what_it_claims(trap_runs: Path, tmp_path, flag
     assert success(res, "eval/bc") <= 0.25 and success(res, "eval/round-1") >= floor
 
 
+def test_round1_critic_from_reuses_the_fitted_critic(trap_runs: Path, tmp_path) -> None:  # noqa: ANN001
+    """An ablation after the critic (pr=q_minus_v) reading the full run's round-1 data and critic fits nothing and
+    gets the advantages of the same ablation that fits its own critic; a critic setting that differs is refused."""
+    common = [*NOISY, *QEVOLVE, "qevolve.n_iters=1", "qevolve.pr=q_minus_v", f"bc.warm_start_from={trap_runs / 'bc'}",
+              f"qevolve.round1_data_from={trap_runs / 'full'}"]
+    own = run_probe("qevolve", "probe-trap", common, tmp_path, "own")
+    reused = run_probe("qevolve", "probe-trap", [*common, f"qevolve.round1_critic_from={trap_runs / 'full'}"],
+                       tmp_path, "reused")
+    metrics = (tmp_path / "reused" / "metrics.jsonl").read_text()
+    assert '"round-1/critic/train"' not in metrics and '"round-1/critic/train"' in (tmp_path / "own" / "metrics.jsonl").read_text()
+    assert reused["round-1/critic"]["imported_from"] == str(trap_runs / "full")
+    assert (tmp_path / "reused" / "checkpoints" / "round-1-critic" / "heads.pt").exists()
+    mine, theirs = _labels(tmp_path / "reused"), _labels(tmp_path / "own")
+    assert mine["keys"] == theirs["keys"]
+    assert max(abs(a - b) for a, b in zip(_flat(mine["raw"]), _flat(theirs["raw"]), strict=True)) < 1e-5
+    for key in ("auc_v1_success", "n_fit", "n_holdout"):
+        assert reused["round-1/critic"][key] == pytest.approx(own["round-1/critic"][key], abs=1e-6)
+    # the drift rows come from the source's last critic pass
+    assert reused["round-1/critic"]["diag"]["steps"] == own["round-1/critic"]["diag"]["steps"] > 0
+    assert success(reused, "eval/round-1") == success(own, "eval/round-1")
+    from agentevo.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"round1_critic_from: qevolve.rr is False here but True in"):
+        run_probe("qevolve", "probe-trap", [*common, "qevolve.rr=false",
+                                            f"qevolve.round1_critic_from={trap_runs / 'full'}"], tmp_path, "wo-rr")
+
+
 def test_eto_escapes_the_trap(trap_runs: Path, tmp_path) -> None:  # noqa: ANN001
     """Budget: 4 iterations x 8 explorations (temperature 1) + DPO. BC <= 0.25 -> >= 0.5 after iteration 4
     (measured 1.0 / 0.875 / 0.75 at seeds 0 / 1 / 2). With 2 iterations seed 0 stays at 0.125: whether an iteration

@@ -249,3 +249,6 @@ def test_the_shipped_qevolve_study_reads() -> None:
                       method=wo_gae.arm.method)
     assert (cfg.seed, cfg.qevolve.pr, cfg.qevolve.n_iters) == (1, "q_minus_v", 1)
     assert (cfg.qevolve.round1_data_from, cfg.bc.warm_start_from) == ("runs/qe200/qe200-qe-s1", "runs/qe200/qe200-bc-s1")
+    assert cfg.qevolve.round1_critic_from == "runs/qe200/qe200-qe-s1"  # an ablation after the critic reuses it
+    wo_rr = plan(study, seeds=[1], arms=["qe-wo-rr"])[2]
+    assert not any("round1_critic_from" in a for a in wo_rr.argv)  # w/o RR changes the critic: it fits its own

@@ -25,6 +25,10 @@ class QEvolveConfig:
         "a run folder whose round-1 self-collected data this run reuses: ablations that differ only after collection "
         "(rr, wiql, pr, pi, ...) then train on the same D_self; seed, pi_BC and collection settings must match [O]",
         None)
+    round1_critic_from: str | None = option(
+        "a run folder whose fitted round-1 critic this run reuses instead of fitting its own: ablations that differ "
+        "only after the critic (pr, lam, pi, the policy update) then read the same V and Q and skip the fit; every "
+        "setting up to the critic and the round-1 data must match (checked), e.g. with round1_data_from [O]", None)
     n_self_per_task: int = option("self-collected trajectories per training task N_self [S '33 per task', meaning §8]",
                                   33, ge=1)
     tasks_per_round: int | None = option(

@@ -7,7 +7,8 @@
        D = D_expert ∪ D_self (refresh: this round's D_self; accumulate: every round's).
     2. retrospective labels: r_aux_t from the step's signal (format > invalid > repeat > none).
     3. weighted-IQL critic on D: V step (expectile vs min target Q) -> Q step (Bellman with r_env + r_aux)
-       -> Polyak on the target heads; w_t = 0.5(t/T + d) + 0.5.
+       -> Polyak on the target heads; w_t = 0.5(t/T + d) + 0.5. (round1_critic_from: reuse a run's round-1
+       critic fitted with the same settings on the same D, for ablations that differ only after it.)
     4. process rewards: GAE with r_env only (or q_minus_v / td / gae_aux), normalised over D.
     5. policy improvement on the same D: clipped ratio against pi_old = pi_{r-1} with eps_low > eps_high,
        + alpha * k3 KL to pi_BC, token-mean (or AWR; or none: the critic reranks candidates at test time).
@@ -23,6 +24,7 @@ import dataclasses
 import hashlib
 import json
 import random
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +44,7 @@ from agentevo.envs.base import SIGNAL_NONE, SIGNALS
 from agentevo.errors import ConfigError
 from agentevo.eval import diagnostics
 from agentevo.eval.metrics import auc, auc_same_step, summarize
-from agentevo.files import write_text_atomic
+from agentevo.files import replacing_dir, write_text_atomic
 from agentevo.models.backend import Generation, Sampling, TransformersPolicy, load_pretrained
 from agentevo.models.critic import (
     Critic,
@@ -165,26 +167,54 @@ def self_tasks(run: Run, r: int) -> TaskList:
 
 ROUND1_DATA_KEYS = ("seed", "env", "model", "agent", "bc", "rollout.top_p", "qevolve.n_self_per_task",
                     "qevolve.collect_temperature", "qevolve.tasks_per_round")
+# Settings read only after the critic is fitted (steps 4-6, and the loop): runs that differ in nothing else fit the
+# same round-1 critic on the same D, so an ablation of pr or pi can reuse the full method's (round1_critic_from).
+AFTER_CRITIC_KEYS = ("n_iters", "round1_data_from", "round1_critic_from", "pr", "lam", "adv_norm", "pi", "eps_low",
+                     "eps_high", "kl_alpha", "loss_agg", "policy_lr", "policy_epochs", "policy_batch_size",
+                     "policy_micro_batch_size", "awr_beta", "awr_cap", "rerank_n", "rerank_temperature")
+
+
+def round1_critic_keys() -> tuple[str, ...]:
+    """The settings a reused round-1 critic must share: the data's, the critic's input length and every qevolve
+    setting read up to the critic fit."""
+    qkeys = (f"qevolve.{f.name}" for f in dataclasses.fields(QEvolveConfig) if f.name not in AFTER_CRITIC_KEYS)
+    return tuple(dict.fromkeys((*ROUND1_DATA_KEYS, "optim.max_length", *qkeys)))
+
+
+def setting_mismatch(ours: dict[str, Any], theirs: dict[str, Any], keys: tuple[str, ...]) -> str | None:
+    """'key is A here but B there' for the first dotted key whose value differs between two config dicts."""
+    for key in keys:
+        a, b = ours, theirs
+        for part in key.split("."):
+            a, b = (a or {}).get(part), (b or {}).get(part)
+        if a != b:
+            return f"{key} is {a!r} here but {b!r} in"
+    return None
+
+
+def _source_run(option: str, source: Path, phase: str, what: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A source run's state and config, checked to exist and to have finished `phase`."""
+    import yaml
+
+    state_path, config_path = source / "state.json", source / "config.yaml"
+    if not state_path.exists() or not config_path.exists():
+        raise ConfigError(f"qevolve.{option}: {str(source)!r} is not a run folder; give runs/NAME")
+    state = json.loads(state_path.read_text())
+    if phase not in state:
+        raise ConfigError(f"qevolve.{option}: {str(source)!r} has not finished its {what}")
+    return state, yaml.safe_load(config_path.read_text())
 
 
 def import_round1_data(run: Run, source: Path) -> dict[str, Any]:
     """Copy round-1/self from a run that collected it with the same seed, pi_BC and collection settings."""
     import yaml
 
-    state_path, config_path = source / "state.json", source / "config.yaml"
-    if not state_path.exists() or not config_path.exists():
-        raise ConfigError(f"qevolve.round1_data_from: {str(source)!r} is not a run folder; give runs/NAME")
-    state = json.loads(state_path.read_text())
-    if "round-1/collect" not in state:
-        raise ConfigError(f"qevolve.round1_data_from: {str(source)!r} has not finished its round-1 collection")
-    theirs, ours = yaml.safe_load(config_path.read_text()), yaml.safe_load((run.dir / "config.yaml").read_text())
-    for key in ROUND1_DATA_KEYS:
-        a, b = ours, theirs
-        for part in key.split("."):
-            a, b = (a or {}).get(part), (b or {}).get(part)
-        if a != b:
-            raise ConfigError(f"qevolve.round1_data_from: {key} is {a!r} here but {b!r} in {str(source)!r}; "
-                              "the data would not be what this run collects")
+    state, theirs = _source_run("round1_data_from", source, "round-1/collect", "round-1 collection")
+    ours = yaml.safe_load((run.dir / "config.yaml").read_text())
+    mismatch = setting_mismatch(ours, theirs, ROUND1_DATA_KEYS)
+    if mismatch:
+        raise ConfigError(f"qevolve.round1_data_from: {mismatch} {str(source)!r}; "
+                          "the data would not be what this run collects")
     store = ExperienceStore(source / "experience.db")
     try:
         trajs = store.load(collection="round-1/self")
@@ -343,11 +373,49 @@ def load_round_critic(run: Run, r: int) -> tuple[Critic, TransformersPolicy]:
 
 
 def train_critic(run: Run, r: int, data: Dataset, cache: dict[str, Any]) -> dict[str, Any]:
-    """Fit V, Q1, Q2 by weighted IQL on D minus the held-out tasks; calibration on the held-out ones."""
+    """Fit V, Q1, Q2 by weighted IQL on D minus the held-out tasks (or, in round 1 with round1_critic_from, take a
+    run's round-1 critic fitted with the same settings on the same D); calibration on the held-out ones."""
     cfg, q = run.cfg, run.cfg.qevolve
-    policy = load_round_policy(run, r - 1)
-    items = critic_items(run, policy, data)
     held = [is_holdout(t.task.task_id, q.critic_holdout, cfg.seed) for t in data.trajs]
+    n_fit = (len(held) - sum(held)) or len(held)  # every item when all are held out
+    imported: dict[str, Any] = {}
+    if r == 1 and q.round1_critic_from:
+        critic, policy, last = import_round1_critic(run, Path(q.round1_critic_from))
+        items = critic_items(run, policy, data)
+        imported = {"imported_from": q.round1_critic_from}
+    else:
+        policy = load_round_policy(run, r - 1)
+        items = critic_items(run, policy, data)
+        critic, last = fit_round_critic(run, r, policy, items, held)
+    cache["critic"], cache["policy"] = critic, policy
+    # Calibration [§2.4]: does V(s_1) rank held-out returns / separate held-out successes?
+    held_trajs = [t for t, h in zip(data.trajs, held, strict=True) if h]
+    all_values = critic_values(critic, items, policy.pad_id)
+    cache["values"] = all_values  # step 4 reuses them in this process
+    held_values = [v for v, h in zip(all_values, held, strict=True) if h]
+    v1 = [v["v"][0] for v in held_values]
+    stats = {
+        "n_fit": n_fit,
+        "n_holdout": len(held_trajs),
+        "loss_v_last_epoch": last.get("loss_v"),
+        "loss_q_last_epoch": last.get("loss_q"),
+        "spearman_v1_return": spearman(v1, [t.final_reward for t in held_trajs]),
+        "auc_v1_success": auc(v1, [t.success for t in held_trajs]),
+    }
+    if imported:
+        check_reused_critic(Path(q.round1_critic_from), stats)
+    run.logger.log(f"round-{r}/critic", 0, {k: v for k, v in stats.items() if v is not None})
+    diag = critic_diagnostics(items, all_values, held, [t.success for t in data.trajs], q.gamma, q.polyak,
+                              last, own=[t.source != "expert" for t in data.trajs])
+    run.logger.log("diag/qevolve", r, diag)
+    return {**stats, **imported, "diag": diag}
+
+
+def fit_round_critic(run: Run, r: int, policy: TransformersPolicy, items: list[CriticItem],
+                     held: list[bool]) -> tuple[Critic, dict[str, float]]:
+    """Build the round-r critic, fit it on the items not held out, save it; returns it and the last pass's record
+    (losses, steps, target / online head drift)."""
+    cfg, q = run.cfg, run.cfg.qevolve
     fit_items = [it for it, h in zip(items, held, strict=True) if not h] or items
     critic = build_critic(run, r, policy)
     # The budget is critic_steps optimiser steps; critic_epochs (legacy) replaces it when set.
@@ -363,26 +431,52 @@ def train_critic(run: Run, r: int, data: Dataset, cache: dict[str, Any]) -> dict
     for e in epochs:
         run.logger.log(f"round-{r}/critic/epoch", e["epoch"], e)
     save_critic(critic, run.checkpoint_dir(f"round-{r}-critic"), policy.tokenizer)
-    cache["critic"], cache["policy"] = critic, policy
-    # Calibration [§2.4]: does V(s_1) rank held-out returns / separate held-out successes?
-    held_trajs = [t for t, h in zip(data.trajs, held, strict=True) if h]
-    all_values = critic_values(critic, items, policy.pad_id)
-    cache["values"] = all_values  # step 4 reuses them in this process
-    held_values = [v for v, h in zip(all_values, held, strict=True) if h]
-    v1 = [v["v"][0] for v in held_values]
-    stats = {
-        "n_fit": len(fit_items),
-        "n_holdout": len(held_trajs),
-        "loss_v_last_epoch": epochs[-1]["loss_v"] if epochs else None,
-        "loss_q_last_epoch": epochs[-1]["loss_q"] if epochs else None,
-        "spearman_v1_return": spearman(v1, [t.final_reward for t in held_trajs]),
-        "auc_v1_success": auc(v1, [t.success for t in held_trajs]),
-    }
-    run.logger.log(f"round-{r}/critic", 0, {k: v for k, v in stats.items() if v is not None})
-    diag = critic_diagnostics(items, all_values, held, [t.success for t in data.trajs], q.gamma, q.polyak,
-                              epochs[-1] if epochs else {}, own=[t.source != "expert" for t in data.trajs])
-    run.logger.log("diag/qevolve", r, diag)
-    return {**stats, "diag": diag}
+    return critic, (epochs[-1] if epochs else {})
+
+
+def import_round1_critic(run: Run, source: Path) -> tuple[Critic, TransformersPolicy, dict[str, float]]:
+    """Copy a run's fitted round-1 critic (same settings up to the critic, same D) into this run and load it with
+    pi_0; returns it, pi_0 and the source's last critic pass record (for the drift diagnostics)."""
+    import yaml
+
+    state, theirs = _source_run("round1_critic_from", source, "round-1/critic", "round-1 critic")
+    ours = yaml.safe_load((run.dir / "config.yaml").read_text())
+    mismatch = setting_mismatch(ours, theirs, round1_critic_keys())
+    if mismatch:
+        raise ConfigError(f"qevolve.round1_critic_from: {mismatch} {str(source)!r}; that critic was fitted with "
+                          "other settings, so fit this run's own (drop round1_critic_from)")
+    label, their_label = run.state.get("round-1/label"), state.get("round-1/label")
+    if label != their_label:
+        key = next((k for k in sorted(set(label or {}) | set(their_label or {}))
+                    if (label or {}).get(k) != (their_label or {}).get(k)), "round-1/label")
+        raise ConfigError(f"qevolve.round1_critic_from: this run's round-1 data differs from {str(source)!r}'s ({key}: "
+                          f"{(label or {}).get(key)!r} here, {(their_label or {}).get(key)!r} there); set "
+                          f"qevolve.round1_data_from to the same run")
+    src = source / "checkpoints" / "round-1-critic"
+    if not (src / "heads.pt").exists():
+        raise ConfigError(f"qevolve.round1_critic_from: {str(src)!r} has no saved critic (heads.pt); give a run "
+                          "folder with its checkpoints, not an archive")
+    with replacing_dir(run.checkpoint_dir("round-1-critic")) as tmp:
+        shutil.copytree(src, tmp, dirs_exist_ok=True)
+    critic, policy = load_round_critic(run, 1)
+    last: dict[str, float] = {}
+    metrics = source / "metrics.jsonl"
+    for line in metrics.read_text().splitlines() if metrics.exists() else []:
+        rec = json.loads(line)
+        if rec.get("phase") == "round-1/critic/epoch":
+            last = {k: v for k, v in rec.items() if k not in ("time", "phase", "step")}
+    return critic, policy, last
+
+
+def check_reused_critic(source: Path, stats: dict[str, Any]) -> None:
+    """A reused critic must give the held-out calibration its source recorded (same weights, same D)."""
+    theirs = json.loads((source / "state.json").read_text())["round-1/critic"]
+    for key in ("n_fit", "n_holdout", "auc_v1_success", "spearman_v1_return"):
+        a, b = stats.get(key), theirs.get(key)
+        if (a is None) != (b is None) or (a is not None and abs(float(a) - float(b)) > 1e-6):
+            raise ConfigError(f"qevolve.round1_critic_from: the copied critic gives {key} {a!r} here but {b!r} in "
+                              f"{str(source)!r}; its weights or data are not what that run used, so fit this "
+                              "run's own critic (drop round1_critic_from)")
 
 
 def critic_diagnostics(items: list[CriticItem], values: list[dict[str, list[float]]], held: list[bool],
