@@ -43,6 +43,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -345,13 +346,33 @@ def config_drift(study: Study, r: PlannedRun) -> str | None:
     return None
 
 
+def duration(seconds: float) -> str:
+    """'42 s', '7 min 05 s', '2 h 03 min'."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+
+def progress_note(k: int, n: int, took: list[float]) -> str:
+    """'run 3 of 9; 2 done in 31 min 10 s, about 1 h 49 min left at that pace' (no estimate before a run is done)."""
+    note = f"run {k} of {n}"
+    if took:
+        left = sum(took) / len(took) * (n - k + 1)
+        note += f"; {len(took)} done in {duration(sum(took))}, about {duration(left)} left at that pace"
+    return note
+
+
 def _subprocess_runner(argv: list[str]) -> int:
     return subprocess.run([sys.executable, "-m", "agentevo.cli", *argv], check=False).returncode
 
 
 def run_study(study: Study, dry_run: bool = False, quiet: bool = True, echo: Callable[[str], None] = print,
               runner: Callable[[list[str]], int] = _subprocess_runner, seeds: list[int] | None = None,
-              arms: list[str] | None = None, rerun_sources: bool = False) -> list[PlannedRun]:
+              arms: list[str] | None = None, rerun_sources: bool = False,
+              clock: Callable[[], float] = time.monotonic) -> list[PlannedRun]:
     """Run (or with dry_run only print) the study's unfinished runs in order (only `seeds` and `arms`, with the arms
     those read from, when given), archive each finished run, then write the comparisons over every finished run.
     With rerun_sources an archived run that a new run starts from is run again (and must reproduce its archive).
@@ -388,15 +409,21 @@ def run_study(study: Study, dry_run: bool = False, quiet: bool = True, echo: Cal
             echo(f"  {r.name}: run again (read by a later run; its archive has no checkpoints)")
     if dry_run:
         return runs
+    todo = [r for r in runs if r.status not in ("archived", "finished")]
+    took: list[float] = []  # seconds of each run finished by this call, for the estimate of what is left
     for r in runs:
         if r.status == "archived":
             continue
         if r.status != "finished":
-            echo(f"{r.name}: {'resuming' if r.status == 'partial' else 'starting'}")
+            echo(f"{r.name}: {'resuming' if r.status == 'partial' else 'starting'} "
+                 f"({progress_note(len(took) + 1, len(todo), took)})")
+            start = clock()
             code = runner(r.argv)
             if code != 0 or run_status(r.dir) != "finished":
                 raise ConfigError(f"study {study.name}: run {r.name} stopped (exit code {code}); see its output, fix "
                                   f"the cause and run `agentevo study {study.path}` again to continue from it")
+            took.append(clock() - start)
+            echo(f"{r.name}: finished in {duration(took[-1])}")
             r.status = "finished"
         if r.archive is not None:
             from agentevo.data.archive import archive_run

@@ -117,6 +117,25 @@ def test_a_study_runs_what_is_left_archives_and_compares(tmp_path: Path) -> None
         run_study(edited, dry_run=True, echo=lambda _: None, runner=runner)
 
 
+def test_a_study_says_how_far_it_is_and_how_long_is_left(tmp_path: Path) -> None:
+    study = load_study(_study(tmp_path))
+    _, runner = _fake_train(tmp_path / "runs", {"base": [0, 1, 0, 0], "lr": [1, 1, 1, 0]})
+    ticks = iter([0.0, 100.0, 100.0, 400.0, 400.0, 500.0, 500.0, 4100.0])  # runs of 100, 300, 100, 3600 s
+    lines: list[str] = []
+    run_study(study, echo=lines.append, runner=runner, clock=lambda: next(ticks))
+    said = [x for x in lines if ": starting" in x or ": finished in" in x]
+    assert said == [
+        "st-base-s0: starting (run 1 of 4)",
+        "st-base-s0: finished in 1 min 40 s",
+        "st-lr-s0: starting (run 2 of 4; 1 done in 1 min 40 s, about 5 min 00 s left at that pace)",
+        "st-lr-s0: finished in 5 min 00 s",
+        "st-base-s1: starting (run 3 of 4; 2 done in 6 min 40 s, about 6 min 40 s left at that pace)",
+        "st-base-s1: finished in 1 min 40 s",
+        "st-lr-s1: starting (run 4 of 4; 3 done in 8 min 20 s, about 2 min 47 s left at that pace)",
+        "st-lr-s1: finished in 1 h 00 min",
+    ]
+
+
 def test_archives_stand_in_for_lost_run_folders(tmp_path: Path) -> None:
     study = load_study(_study(tmp_path))
     calls, runner = _fake_train(tmp_path / "runs", {"base": [0, 1, 0, 0], "lr": [1, 1, 1, 0]})
