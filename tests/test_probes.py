@@ -355,6 +355,10 @@ def test_round1_critic_from_reuses_the_fitted_critic(trap_runs: Path, tmp_path) 
     # the drift rows come from the source's last critic pass
     assert reused["round-1/critic"]["diag"]["steps"] == own["round-1/critic"]["diag"]["steps"] > 0
     assert success(reused, "eval/round-1") == success(own, "eval/round-1")
+    # a run reusing a reused critic still reports the fitted one's drift
+    again = run_probe("qevolve", "probe-trap", [*common, "qevolve.pi=awr",
+                                                f"qevolve.round1_critic_from={tmp_path / 'reused'}"], tmp_path, "again")
+    assert again["round-1/critic"]["diag"]["steps"] == own["round-1/critic"]["diag"]["steps"]
     from agentevo.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"round1_critic_from: qevolve.rr is False here but True in"):

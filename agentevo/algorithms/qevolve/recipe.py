@@ -459,13 +459,29 @@ def import_round1_critic(run: Run, source: Path) -> tuple[Critic, TransformersPo
     with replacing_dir(run.checkpoint_dir("round-1-critic")) as tmp:
         shutil.copytree(src, tmp, dirs_exist_ok=True)
     critic, policy = load_round_critic(run, 1)
-    last: dict[str, float] = {}
-    metrics = source / "metrics.jsonl"
-    for line in metrics.read_text().splitlines() if metrics.exists() else []:
-        rec = json.loads(line)
-        if rec.get("phase") == "round-1/critic/epoch":
-            last = {k: v for k, v in rec.items() if k not in ("time", "phase", "step")}
-    return critic, policy, last
+    return critic, policy, last_critic_pass(source)
+
+
+def last_critic_pass(source: Path) -> dict[str, float]:
+    """The last round-1 critic pass record a run logged (losses, steps, head drift), followed through runs that
+    reused their critic in turn; {} when none is found."""
+    seen: set[Path] = set()
+    while source not in seen:
+        seen.add(source)
+        last: dict[str, float] = {}
+        metrics = source / "metrics.jsonl"
+        for line in metrics.read_text().splitlines() if metrics.exists() else []:
+            rec = json.loads(line)
+            if rec.get("phase") == "round-1/critic/epoch":
+                last = {k: v for k, v in rec.items() if k not in ("time", "phase", "step")}
+        if last:
+            return last
+        state = source / "state.json"
+        origin = json.loads(state.read_text()).get("round-1/critic", {}).get("imported_from") if state.exists() else None
+        if not origin:
+            break
+        source = Path(origin)
+    return {}
 
 
 def check_reused_critic(source: Path, stats: dict[str, Any]) -> None:
