@@ -356,12 +356,16 @@ def duration(seconds: float) -> str:
     return f"{s // 3600} h {s % 3600 // 60:02d} min"
 
 
-def progress_note(k: int, n: int, took: list[float]) -> str:
-    """'run 3 of 9; 2 done in 31 min 10 s, about 1 h 49 min left at that pace' (no estimate before a run is done)."""
-    note = f"run {k} of {n}"
-    if took:
-        left = sum(took) / len(took) * (n - k + 1)
-        note += f"; {len(took)} done in {duration(sum(took))}, about {duration(left)} left at that pace"
+def progress_note(k: int, left: list[str], took: dict[str, list[float]]) -> str:
+    """'run 3 of 9; 2 done in 31 min 10 s, about 1 h 49 min left' for the k-th run of this call, `left` the arms of
+    the runs from this one on. Each is estimated at its arm's mean time in this call, else at the mean of all runs
+    done (no estimate before one is done)."""
+    done = [x for xs in took.values() for x in xs]
+    note = f"run {k} of {k - 1 + len(left)}"
+    if done:
+        mean = sum(done) / len(done)
+        estimate = sum(sum(took[a]) / len(took[a]) if a in took else mean for a in left)
+        note += f"; {len(done)} done in {duration(sum(done))}, about {duration(estimate)} left"
     return note
 
 
@@ -410,20 +414,21 @@ def run_study(study: Study, dry_run: bool = False, quiet: bool = True, echo: Cal
     if dry_run:
         return runs
     todo = [r for r in runs if r.status not in ("archived", "finished")]
-    took: list[float] = []  # seconds of each run finished by this call, for the estimate of what is left
+    took: dict[str, list[float]] = {}  # arm -> seconds of its runs finished by this call, for the estimate of what is left
     for r in runs:
         if r.status == "archived":
             continue
         if r.status != "finished":
+            k = sum(map(len, took.values())) + 1
             echo(f"{r.name}: {'resuming' if r.status == 'partial' else 'starting'} "
-                 f"({progress_note(len(took) + 1, len(todo), took)})")
+                 f"({progress_note(k, [x.arm.name for x in todo[k - 1:]], took)})")
             start = clock()
             code = runner(r.argv)
             if code != 0 or run_status(r.dir) != "finished":
                 raise ConfigError(f"study {study.name}: run {r.name} stopped (exit code {code}); see its output, fix "
                                   f"the cause and run `agentevo study {study.path}` again to continue from it")
-            took.append(clock() - start)
-            echo(f"{r.name}: finished in {duration(took[-1])}")
+            took.setdefault(r.arm.name, []).append(clock() - start)
+            echo(f"{r.name}: finished in {duration(took[r.arm.name][-1])}")
             r.status = "finished"
         if r.archive is not None:
             from agentevo.data.archive import archive_run
