@@ -78,7 +78,9 @@ for s in "${SEEDS[@]}"; do
   ok "qe-s$s" || continue
   for a in "${ABLATIONS[@]}"; do
     set -- $a
-    echo "qe-$1-s$s|${QE[*]} --set seed=$s --set bc.warm_start_from=$R/bc-s$s --set $2 --set qevolve.round1_data_from=$R/qe-s$s"
+    # ablations after the critic (pr, pi) reuse Q-Evolve's fitted round-1 critic; w/o RR and w/o W-IQL fit their own
+    reuse=""; case $2 in qevolve.pr=*|qevolve.pi=*) reuse="--set qevolve.round1_critic_from=$R/qe-s$s";; esac
+    echo "qe-$1-s$s|${QE[*]} --set seed=$s --set bc.warm_start_from=$R/bc-s$s --set $2 --set qevolve.round1_data_from=$R/qe-s$s $reuse"
   done
 done | stage
 
