@@ -358,3 +358,23 @@ def test_a_later_point_is_not_read_against_an_earlier_one_of_the_same_series(tmp
     rows = compare([bc, arm], "test", tmp_path / "o3").paired_table.splitlines()[2:]
     assert [r.split(" | ")[1] for r in rows] == ["bc", "update-3 vs bc", "update-6 vs bc"]
     assert rows[2].startswith("| sg | update-6 vs bc | 1 | 4 | +75.0 |")
+
+
+def test_premise_diagnostics_of_each_run_sit_beside_the_differences(tmp_path: Path) -> None:
+    """compare.md lists each run's diagnostics tables with the worst verdict and the rows that do not pass."""
+    a = _run(tmp_path, "g-s0", {"bc": 0.5, "update-1": 1.0}, outcomes={"bc": [1, 0], "update-1": [1, 1]})
+    b = _run(tmp_path, "g-s1", {"bc": 0.5, "update-1": 0.5}, outcomes={"bc": [0, 1], "update-1": [0, 1]})
+    # GRPO update 1: 0.9 of the groups all equal (fail, > 0.8), KL 0.2 (warn, 0.1-0.5), clipping 0.01 (pass)
+    (a / "metrics.jsonl").write_text(json.dumps({"time": 0.0, "phase": "diag/grpo", "step": 1, "zero_var_frac": 0.9,
+                                                 "kl": 0.2, "clip_frac_low": 0.01}) + "\n"
+                                     + json.dumps({"time": 0.0, "phase": "grpo/train", "step": 1, "loss": 1.0}) + "\n")
+    (b / "metrics.jsonl").write_text(json.dumps({"time": 0.0, "phase": "diag/grpo", "step": 1, "zero_var_frac": 0.1,
+                                                 "kl": 0.01}) + "\n")
+    text = compare([a, b], "test", tmp_path / "out", baseline_point="bc").text
+    assert "| g | s0 | grpo, update 1 | fail | fail: zero-variance groups (all rewards equal); warn: KL to the " \
+           "reference (k3, per token) |" in text
+    assert "| g | s1 | grpo, update 1 | pass | - |" in text
+    assert text.index("Premise diagnostics") > text.index("Paired differences")
+    # runs without diagnostics: no section
+    plain = _run(tmp_path, "p-s0", {"bc": 0.5}, outcomes={"bc": [1, 0]})
+    assert "Premise diagnostics" not in compare([plain], "test", tmp_path / "o2").text

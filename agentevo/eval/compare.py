@@ -423,6 +423,30 @@ def plot_groups(groups: list[Group], labels: list[str], path: Path, metric: str 
     plt.close(fig)
 
 
+def diagnostic_records(run_dir: Path) -> list[dict[str, Any]]:
+    """The premise-diagnostic records (phases diag/...) of a run's metrics.jsonl; [] without one."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    with path.open() as f:
+        return [json.loads(line) for line in f if '"diag/' in line]
+
+
+def diagnostics_table(groups: list[Group]) -> str:
+    """One row per diagnostics table of each run (arm, seed), '' when no run logged diagnostics."""
+    from agentevo.eval import diagnostics  # imports torch: only when compare writes its tables
+
+    rows = []
+    for g in groups:
+        for m in g.members:
+            for title, diags in diagnostics.diagnostic_tables(diagnostic_records(m.dir)):
+                rows.append(f"| {g.name} | {_seed_name(m)} | {title} | {diagnostics.worst(diags)} | "
+                            f"{diagnostics.not_passing(diags)} |")
+    if not rows:
+        return ""
+    return "\n".join(["| runs | seed | diagnostics | worst | not passing |", "|---|---|---|---|---|", *rows])
+
+
 def compare(run_dirs: list[Path], split: str, out: Path, metric: str = "success", baseline: str | None = None,
             n_boot: int = N_BOOT, baseline_point: str | None = None) -> Comparison:
     """Write out/compare.md and out/compare.png: per-seed values, mean ± sd, paired differences vs the baseline arm,
@@ -479,6 +503,10 @@ def compare(run_dirs: list[Path], split: str, out: Path, metric: str = "success"
                  f"tasks) resampling seed pairs as well (would another training seed agree; needs >= 2 pairs); "
                  f"better / worse counts (seed pair, task) cells; p from the two-sided {test}, "
                  f"pooled over seed pairs:\n\n{p_table}\n\n" + "\n".join(sentences) + "\n\n")
+    diag = diagnostics_table(groups)
+    if diag:
+        text += ("Premise diagnostics of each run (its report's tables: the worst verdict, and the rows that do not "
+                 f"pass; read a difference only where its premises hold):\n\n{diag}\n\n")
     text += "![comparison](compare.png)\n"
     path = out / "compare.md"
     write_text_atomic(path, text)

@@ -483,8 +483,8 @@ def _mean_record(records: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def render_section(records: list[dict[str, Any]], max_rows: int = 4) -> list[str]:
-    """The report's 'Diagnostics' section from metrics records (phase diag/<method>); [] when there are none.
+def diagnostic_tables(records: list[dict[str, Any]], max_rows: int = 4) -> list[tuple[str, list[Diagnostic]]]:
+    """(title, rows) per diagnostics table of a run, from its metrics records (phase diag/<method>).
 
     Records at step 0 (before training) are shown as they are; with more than max_rows training records (one per
     GRPO update, say) they are averaged into one table and the last is shown beside it, else one table each.
@@ -510,7 +510,19 @@ def render_section(records: list[dict[str, Any]], max_rows: int = 4) -> list[str
             tables.append((f"{method}, {word} {steps[-1]} (the last)", diagnose(method, latest[steps[-1]])))
         else:
             tables += [(f"{method}, {word} {s}", diagnose(method, latest[s])) for s in steps]
-    tables = [(title, diags) for title, diags in tables if diags]
+    return [(title, diags) for title, diags in tables if diags]
+
+
+def not_passing(diags: Sequence[Diagnostic]) -> str:
+    """'fail: A, B; warn: C' (the rows whose verdict is not a pass), '-' when all pass."""
+    parts = [f"{v}: " + ", ".join(d.name for d in diags if d.verdict == v) for v in (FAIL, WARN)
+             if any(d.verdict == v for d in diags)]
+    return "; ".join(parts) or "-"
+
+
+def render_section(records: list[dict[str, Any]], max_rows: int = 4) -> list[str]:
+    """The report's 'Diagnostics' section from metrics records (phase diag/<method>); [] when there are none."""
+    tables = diagnostic_tables(records, max_rows)
     if not tables:
         return []
     lines = ["", "## Diagnostics", "",
