@@ -163,6 +163,12 @@ def test_other_methods_verdicts() -> None:
     assert [d.verdict for d in dg.selfguide_premise({"verdict_good_on_flagged": 0.0})] == ["pass"]
     eto = dg.eto_dpo({"reward_margin": 0.4, "chosen_logp_drift": -3.0})
     assert [d.verdict for d in eto] == ["pass", "fail"] and "likelihood displacement" in eto[1].fix
+    # the qe200 study's ETO at seed 0, iteration 3: 0 -> 47.1% format errors while both rows above pass
+    broke = dg.eto_dpo({"reward_margin": 69.5, "chosen_logp_drift": 0.26, "rejected_logp_drift": -138.7,
+                        "format_error": 0.471, "format_error_start": 0.0})
+    assert [d.verdict for d in broke] == ["pass", "pass", "fail"]
+    assert broke[2].value == "0.471 (start 0); rejected log-prob drift -139" and "eto.beta" in broke[2].fix
+    assert dg.eto_dpo({"format_error": 0.12, "format_error_start": 0.02})[0].verdict == "warn"  # +0.10
 
 
 def test_render_section_tables_means_and_merging() -> None:

@@ -376,6 +376,12 @@ def test_eto_escapes_the_trap(trap_runs: Path, tmp_path) -> None:  # noqa: ANN00
                     tmp_path)
     start, end = success(res, "eval/bc"), success(res, "eval/eto-iter-4")
     assert start <= 0.25 and end >= 0.5, (start, end)
+    # each iteration's report row: held-out format errors after it vs at the start, from the evaluations
+    rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    fmt = {r["step"]: r for r in rows if r["phase"] == "diag/eto" and "format_error" in r}
+    assert sorted(fmt) == [1, 2, 3, 4]
+    assert fmt[4]["format_error"] == res["eval/eto-iter-4"]["test"]["format_error_rate"]
+    assert fmt[4]["format_error_start"] == res["eval/bc"]["test"]["format_error_rate"]
 
 
 def test_awr_escapes_the_trap(trap_runs: Path, tmp_path) -> None:  # noqa: ANN001

@@ -261,6 +261,12 @@ def run(run: Run) -> dict[str, Any]:
             record[f"{split}_success_rate"] = metrics["success_rate"]
             record[f"{split}_avg_reward"] = metrics["avg_reward"]
         run.logger.log("eto", i, record)
+        # Does DPO keep the replies in the action format? (likelihood displacement shows here first)
+        evals, start = it[f"eval/eto-iter-{i}"], results.get("eval/bc") or {}
+        split = "test" if "test" in evals else next(iter(evals), None)
+        if split is not None and split in start:
+            run.logger.log("diag/eto", i, {"format_error": evals[split]["format_error_rate"],
+                                           "format_error_start": start[split]["format_error_rate"]})
         results[f"eto/iter-{i}"] = {**it["explore"], **it["dpo"], "env_steps_total": total + expert_steps}
         results[f"eval/eto-iter-{i}"] = it[f"eval/eto-iter-{i}"]
         current = f"eto-iter-{i}"

@@ -428,6 +428,15 @@ def eto_dpo(v: dict[str, Any]) -> list[Diagnostic]:
                          grade(v["chosen_logp_drift"], 0.0, -1.0),
                          "DPO lowers the chosen trajectories too (likelihood displacement): lower eto.lr / "
                          "eto.lr_later or fewer epochs"))
+    if "format_error" in v and "format_error_start" in v:
+        rise = v["format_error"] - v["format_error_start"]
+        shown = f"{_fmt(v['format_error'])} (start {_fmt(v['format_error_start'])})"
+        if "rejected_logp_drift" in v:
+            shown += f"; rejected log-prob drift {_fmt(v['rejected_logp_drift'])}"
+        rows.append(_row("held-out replies out of the action format, after this iteration", rise,
+                         grade(rise, 0.05, 0.2, higher_is_better=False),
+                         "DPO pushes the rejected trajectories' tokens down until replies break: lower eto.lr / "
+                         "eto.lr_later, raise eto.beta, or fewer epochs", shown))
     return rows
 
 
