@@ -367,7 +367,8 @@ def test_premise_diagnostics_of_each_run_sit_beside_the_differences(tmp_path: Pa
     # GRPO update 1: 0.9 of the groups all equal (fail, > 0.8), KL 0.2 (warn, 0.1-0.5), clipping 0.01 (pass)
     (a / "metrics.jsonl").write_text(json.dumps({"time": 0.0, "phase": "diag/grpo", "step": 1, "zero_var_frac": 0.9,
                                                  "kl": 0.2, "clip_frac_low": 0.01}) + "\n"
-                                     + json.dumps({"time": 0.0, "phase": "grpo/train", "step": 1, "loss": 1.0}) + "\n")
+                                     + json.dumps({"time": 0.0, "phase": "grpo/train", "step": 1, "loss": 1.0}) + "\n"
+                                     + '{"time": 0.0, "phase": "diag/gr')  # a line a killed run left half-written
     (b / "metrics.jsonl").write_text(json.dumps({"time": 0.0, "phase": "diag/grpo", "step": 1, "zero_var_frac": 0.1,
                                                  "kl": 0.01}) + "\n")
     text = compare([a, b], "test", tmp_path / "out", baseline_point="bc").text

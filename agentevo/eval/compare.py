@@ -26,6 +26,7 @@ from agentevo.errors import ConfigError
 from agentevo.eval.metrics import eval_collection
 from agentevo.eval.stats import PairedResult, format_p, paired_difference
 from agentevo.files import replacing, write_text_atomic
+from agentevo.train.tracking import MetricsLogger
 
 SEED_SUFFIX = re.compile(r"-s(\d+)$")
 METRICS = {"success": "held-out success (%)", "reward": "held-out average final reward (x100)"}
@@ -423,15 +424,6 @@ def plot_groups(groups: list[Group], labels: list[str], path: Path, metric: str 
     plt.close(fig)
 
 
-def diagnostic_records(run_dir: Path) -> list[dict[str, Any]]:
-    """The premise-diagnostic records (phases diag/...) of a run's metrics.jsonl; [] without one."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    with path.open() as f:
-        return [json.loads(line) for line in f if '"diag/' in line]
-
-
 def diagnostics_table(groups: list[Group]) -> str:
     """One row per diagnostics table of each run (arm, seed), '' when no run logged diagnostics."""
     from agentevo.eval import diagnostics  # imports torch: only when compare writes its tables
@@ -439,7 +431,8 @@ def diagnostics_table(groups: list[Group]) -> str:
     rows = []
     for g in groups:
         for m in g.members:
-            for title, diags in diagnostics.diagnostic_tables(diagnostic_records(m.dir)):
+            records = MetricsLogger(m.dir, enabled=False).records()  # skips a line a killed run left half-written
+            for title, diags in diagnostics.diagnostic_tables(records):
                 rows.append(f"| {g.name} | {_seed_name(m)} | {title} | {diagnostics.worst(diags)} | "
                             f"{diagnostics.not_passing(diags)} |")
     if not rows:

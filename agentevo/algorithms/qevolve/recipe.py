@@ -60,6 +60,7 @@ from agentevo.models.critic import (
 from agentevo.models.policy import with_lora
 from agentevo.rollout.engine import EpisodeRequest, PolicyActor
 from agentevo.train.finetune import finetune
+from agentevo.train.tracking import MetricsLogger
 
 if TYPE_CHECKING:
     from agentevo.envs.base import TaskList
@@ -380,7 +381,7 @@ def train_critic(run: Run, r: int, data: Dataset, cache: dict[str, Any]) -> dict
     n_fit = (len(held) - sum(held)) or len(held)  # every item when all are held out
     imported: dict[str, Any] = {}
     if r == 1 and q.round1_critic_from:
-        critic, policy, last = import_round1_critic(run, Path(q.round1_critic_from))
+        critic, policy, last, recorded = import_round1_critic(run, Path(q.round1_critic_from))
         items = critic_items(run, policy, data)
         imported = {"imported_from": q.round1_critic_from}
     else:
@@ -403,7 +404,7 @@ def train_critic(run: Run, r: int, data: Dataset, cache: dict[str, Any]) -> dict
         "auc_v1_success": auc(v1, [t.success for t in held_trajs]),
     }
     if imported:
-        check_reused_critic(Path(q.round1_critic_from), stats)
+        check_reused_critic(q.round1_critic_from, recorded, stats)
     run.logger.log(f"round-{r}/critic", 0, {k: v for k, v in stats.items() if v is not None})
     diag = critic_diagnostics(items, all_values, held, [t.success for t in data.trajs], q.gamma, q.polyak,
                               last, own=[t.source != "expert" for t in data.trajs])
@@ -434,9 +435,12 @@ def fit_round_critic(run: Run, r: int, policy: TransformersPolicy, items: list[C
     return critic, (epochs[-1] if epochs else {})
 
 
-def import_round1_critic(run: Run, source: Path) -> tuple[Critic, TransformersPolicy, dict[str, float]]:
+def import_round1_critic(
+    run: Run, source: Path
+) -> tuple[Critic, TransformersPolicy, dict[str, float], dict[str, Any]]:
     """Copy a run's fitted round-1 critic (same settings up to the critic, same D) into this run and load it with
-    pi_0; returns it, pi_0 and the source's last critic pass record (for the drift diagnostics)."""
+    pi_0; returns it, pi_0, the source's last critic pass record (for the drift diagnostics) and the source's
+    round-1/critic result (for check_reused_critic)."""
     import yaml
 
     state, theirs = _source_run("round1_critic_from", source, "round-1/critic", "round-1 critic")
@@ -445,12 +449,11 @@ def import_round1_critic(run: Run, source: Path) -> tuple[Critic, TransformersPo
     if mismatch:
         raise ConfigError(f"qevolve.round1_critic_from: {mismatch} {str(source)!r}; that critic was fitted with "
                           "other settings, so fit this run's own (drop round1_critic_from)")
-    label, their_label = run.state.get("round-1/label"), state.get("round-1/label")
+    label, their_label = run.state.get("round-1/label") or {}, state.get("round-1/label") or {}
     if label != their_label:
-        key = next((k for k in sorted(set(label or {}) | set(their_label or {}))
-                    if (label or {}).get(k) != (their_label or {}).get(k)), "round-1/label")
+        key = next(k for k in sorted(set(label) | set(their_label)) if label.get(k) != their_label.get(k))
         raise ConfigError(f"qevolve.round1_critic_from: this run's round-1 data differs from {str(source)!r}'s ({key}: "
-                          f"{(label or {}).get(key)!r} here, {(their_label or {}).get(key)!r} there); set "
+                          f"{label.get(key)!r} here, {their_label.get(key)!r} there); set "
                           f"qevolve.round1_data_from to the same run")
     src = source / "checkpoints" / "round-1-critic"
     if not (src / "heads.pt").exists():
@@ -459,7 +462,7 @@ def import_round1_critic(run: Run, source: Path) -> tuple[Critic, TransformersPo
     with replacing_dir(run.checkpoint_dir("round-1-critic")) as tmp:
         shutil.copytree(src, tmp, dirs_exist_ok=True)
     critic, policy = load_round_critic(run, 1)
-    return critic, policy, last_critic_pass(source)
+    return critic, policy, last_critic_pass(source), state["round-1/critic"]
 
 
 def last_critic_pass(source: Path) -> dict[str, float]:
@@ -468,14 +471,9 @@ def last_critic_pass(source: Path) -> dict[str, float]:
     seen: set[Path] = set()
     while source not in seen:
         seen.add(source)
-        last: dict[str, float] = {}
-        metrics = source / "metrics.jsonl"
-        for line in metrics.read_text().splitlines() if metrics.exists() else []:
-            rec = json.loads(line)
-            if rec.get("phase") == "round-1/critic/epoch":
-                last = {k: v for k, v in rec.items() if k not in ("time", "phase", "step")}
-        if last:
-            return last
+        passes = MetricsLogger(source, enabled=False).records("round-1/critic/epoch")
+        if passes:
+            return {k: v for k, v in passes[-1].items() if k not in ("time", "phase", "step")}
         state = source / "state.json"
         origin = json.loads(state.read_text()).get("round-1/critic", {}).get("imported_from") if state.exists() else None
         if not origin:
@@ -484,14 +482,13 @@ def last_critic_pass(source: Path) -> dict[str, float]:
     return {}
 
 
-def check_reused_critic(source: Path, stats: dict[str, Any]) -> None:
-    """A reused critic must give the held-out calibration its source recorded (same weights, same D)."""
-    theirs = json.loads((source / "state.json").read_text())["round-1/critic"]
+def check_reused_critic(source: str, theirs: dict[str, Any], stats: dict[str, Any]) -> None:
+    """A reused critic must give the held-out calibration its source recorded in `theirs` (same weights, same D)."""
     for key in ("n_fit", "n_holdout", "auc_v1_success", "spearman_v1_return"):
         a, b = stats.get(key), theirs.get(key)
         if (a is None) != (b is None) or (a is not None and abs(float(a) - float(b)) > 1e-6):
             raise ConfigError(f"qevolve.round1_critic_from: the copied critic gives {key} {a!r} here but {b!r} in "
-                              f"{str(source)!r}; its weights or data are not what that run used, so fit this "
+                              f"{source!r}; its weights or data are not what that run used, so fit this "
                               "run's own critic (drop round1_critic_from)")
 
 
