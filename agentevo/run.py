@@ -25,6 +25,8 @@ from agentevo.envs import TaskList, make_env
 from agentevo.errors import AgentevoError, ConfigError
 from agentevo.eval.metrics import eval_collection, summarize
 from agentevo.files import write_text_atomic
+from agentevo.machine import STATE_KEY as MACHINE
+from agentevo.machine import idle_cores
 from agentevo.models import placement
 from agentevo.models.backend import Sampling, TransformersPolicy, load_pretrained, set_torch_threads
 from agentevo.rollout.engine import EpisodeRequest, PolicyActor, run_episodes
@@ -37,6 +39,14 @@ _PHASE_FAILED = "__agentevo_phase_failed__"
 LOCK_FILE = ".lock"  # flock'ed while a process owns the folder; never deleted (a new inode would let two in)
 FINISHED = "finished"  # the state.json phase a run records once its recipe has returned (resume and study skip it)
 OWNER_FILE = "owner.json"  # who holds the lock: pid, host, command, start time
+
+
+def _start_threads(configured: int | None, starts: list[dict[str, Any]] | None) -> int | None:
+    """The torch threads of this start: the config's, else the count the run's first start chose (a resume
+    computes what an uninterrupted run would), else None (set_torch_threads picks the idle cores)."""
+    if configured is not None:
+        return configured
+    return int(starts[0]["threads"]) if starts and isinstance(starts[0].get("threads"), int) else None
 
 
 def check_run_name(name: str, output_dir: str | Path) -> None:
@@ -212,7 +222,8 @@ class RunView:
         self.state: dict[str, Any] = _read_state(self.dir / "state.json")
         self.store = ExperienceStore(self.dir / "experience.db")
         self.logger = MetricsLogger(self.dir, enabled=False)  # reads metrics.jsonl, writes nothing
-        self.threads = self.cfg.model.torch_threads or "idle cores at start"
+        starts = self.state.get(MACHINE)
+        self.threads = _start_threads(self.cfg.model.torch_threads, starts) or "idle cores at start"
 
     def close(self) -> None:
         """Close the store."""
@@ -252,10 +263,32 @@ class Run:
         except BaseException:
             self._release()
             raise
-        self.threads = set_torch_threads(cfg.model.torch_threads)
+        threads = _start_threads(cfg.model.torch_threads, self.state.get(MACHINE))
+        idle = idle_cores() if threads is None or self.main else 0.0  # one sample for the choice and the warning
+        self.threads = set_torch_threads(threads if threads is not None else max(1, round(idle)))
         placement.configure(cfg.model.device, cfg.model.dtype, cfg.model.attn_implementation)
+        if self.main:
+            self._record_machine(idle)
         self._signal_env: Any = None
         self._engine: Any = None  # the vLLM engine of this run (model.backend = vllm), kept across rounds
+
+    def _record_machine(self, idle: float) -> None:
+        """Append this start's machine to state.json; warn when the configured threads meet cores another job
+        holds, and when a resume runs on other hardware, threads or torch than the first start (floats may differ)."""
+        from agentevo import machine
+
+        now = machine.describe(self.threads, str(placement.device()), idle, placement.describe())
+        warning = machine.busy_warning(self.threads, idle, now["cores"])
+        if warning and self.cfg.model.torch_threads is not None:  # asked for; the automatic count is the user's call
+            print(f"warning: {self.dir.name}: {warning}", file=sys.stderr)
+        starts = list(self.state.get(MACHINE) or [])
+        if starts:
+            diff = machine.resume_difference(starts[0], now)
+            if diff:
+                print(f"warning: {self.dir.name} started on {machine.summary(starts[0])} and resumes with {diff}: "
+                      "what it computes from here on may differ from an uninterrupted run", file=sys.stderr)
+        self.state[MACHINE] = starts + [now]
+        write_text_atomic(self.state_path, json.dumps(self.state, indent=1, default=str))
 
     # -- creation ------------------------------------------------------------------------------
     @classmethod

@@ -118,7 +118,8 @@ def test_train_refuses_an_existing_name_and_overwrite_starts_over(capsys, monkey
 
     monkeypatch.setattr("agentevo.cli._run_recipe", fake_recipe)
     assert main(["train", "--name", "r", "--output-dir", str(tmp_path), "--set", "seed=4", "--overwrite"]) == 0
-    assert seen == {"state": {}, "files": [".lock", "config.yaml", "experience.db", "owner.json"], "seed": 4}
+    assert list(seen["state"]) == ["machine"] and len(seen["state"]["machine"]) == 1  # the old phases are gone
+    assert seen["files"] == [".lock", "config.yaml", "experience.db", "owner.json", "state.json"] and seen["seed"] == 4
     assert yaml.safe_load((d / "config.yaml").read_text())["seed"] == 4
 
 
@@ -169,7 +170,7 @@ def test_a_truncated_state_file_is_a_one_line_error(capsys, tmp_path) -> None:  
     state.write_text('{"expert": {"n": 2}}')
     run = Run.open(tmp_path / "r", quiet=True)  # the failed open released the folder
     try:
-        assert run.state == {"expert": {"n": 2}}
+        assert run.state["expert"] == {"n": 2} and len(run.state["machine"]) == 1  # this start's record added
     finally:
         run.close()
 

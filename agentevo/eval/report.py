@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from agentevo import machine
 from agentevo.eval.diagnostics import render_section
 from agentevo.eval.metrics import eval_collection, tasks_played
 from agentevo.files import write_text_atomic
@@ -100,6 +101,30 @@ def format_value(value: Any, max_items: int = 12, nested: bool = False) -> str:
     return str(value)
 
 
+def _machine_lines(run: Run) -> list[str]:
+    """The machine of the run's first start, any later start on other hardware, and the time it computed."""
+    from agentevo.study import duration
+
+    starts = run.state.get(machine.STATE_KEY) or []
+    if not starts:
+        return []
+    lines = [f"- machine: {machine.summary(starts[0])}"]
+    if starts[0].get("precision"):
+        lines.append(f"- precision: {starts[0]['precision']}")
+    for k, rec in enumerate(starts[1:], 1):
+        diff = machine.resume_difference(starts[0], rec)
+        if diff:
+            lines.append(f"- resume {k} ran with {diff}: from there on it may differ from an uninterrupted run")
+    seconds = machine.compute_seconds(starts, [r["time"] for r in run.logger.records() if "time" in r])
+    n = len(starts)
+    busy = [rec for rec in starts if rec.get("idle_cores") is not None and rec["idle_cores"] < rec["threads"] - 0.5]
+    note = (f"; {len(busy)} of its starts found fewer idle cores than threads (another job was busy), so it is not "
+            "a timing" if busy else "")
+    lines.append(f"- time: {duration(seconds)} over {n} start{'s' * (n != 1)} (from each start to its last logged "
+                 f"record){note}")
+    return lines
+
+
 def write_report(run: Run) -> Path:
     """Write report.md (and plots/*.png) from state.json and metrics.jsonl; returns its path."""
     plots = run.dir / "plots"
@@ -112,6 +137,7 @@ def write_report(run: Run) -> Path:
         f"- run folder: `{run.dir}`",
         f"- model: {cfg.model.path or 'embedded tiny Llama (tokenizer trained on environment text)'}",
         f"- seed: {cfg.seed}; torch threads: {run.threads}",
+        *_machine_lines(run),
         f"- reproduce: `agentevo train {cfg.method} --config {run.dir / 'config.yaml'}`",
         "",
         f"## Held-out evaluation ({cfg.eval.protocol})",
@@ -136,7 +162,7 @@ def write_report(run: Run) -> Path:
     if method_plots:
         lines += ["", "## Method plots", ""] + [f"![{name[:-4]}](plots/{name})" for name in method_plots]
     lines += render_section(run.logger.records())  # premise diagnostics (phases diag/<method>), when logged
-    extra = {k: v for k, v in run.state.items() if not k.startswith("eval/")}
+    extra = {k: v for k, v in run.state.items() if not k.startswith("eval/") and k != machine.STATE_KEY}
     if extra:
         lines += ["", "## Phases", ""]
         for key, value in extra.items():

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,11 +112,9 @@ class Generation:
 def set_torch_threads(threads: int | None) -> int:
     """Use the given thread count, or the idle cores (at least 1) when None; returns the count in use."""
     if threads is None:
-        try:
-            load = os.getloadavg()[0]
-        except OSError:
-            load = 0.0
-        threads = max(1, int(round((os.cpu_count() or 1) - load)))
+        from agentevo.machine import idle_cores
+
+        threads = max(1, int(round(idle_cores())))
     torch.set_num_threads(threads)
     return threads
 
