@@ -356,17 +356,51 @@ def duration(seconds: float) -> str:
     return f"{s // 3600} h {s % 3600 // 60:02d} min"
 
 
-def progress_note(k: int, left: list[str], took: dict[str, list[float]]) -> str:
+def progress_note(k: int, left: list[str], took: dict[str, list[float]],
+                  earlier: dict[str, list[float]] | None = None) -> str:
     """'run 3 of 9; 2 done in 31 min 10 s, about 1 h 49 min left' for the k-th run of this call, `left` the arms of
-    the runs from this one on. Each is estimated at its arm's mean time in this call, else at the mean of all runs
-    done (no estimate before one is done)."""
+    the runs from this one on. Each is estimated at its arm's mean time in this call, else at its arm's mean over
+    `earlier` (the study's runs made before, on this CPU model), else at the mean of every run timed; no estimate
+    before one is timed."""
+    earlier = earlier or {}
     done = [x for xs in took.values() for x in xs]
+    timed = done or [x for xs in earlier.values() for x in xs]
     note = f"run {k} of {k - 1 + len(left)}"
     if done:
-        mean = sum(done) / len(done)
-        estimate = sum(sum(took[a]) / len(took[a]) if a in took else mean for a in left)
-        note += f"; {len(done)} done in {duration(sum(done))}, about {duration(estimate)} left"
+        note += f"; {len(done)} done in {duration(sum(done))}"
+    if timed:
+        mean = sum(timed) / len(timed)
+        estimate = sum(sum(took[a]) / len(took[a]) if a in took else
+                       sum(earlier[a]) / len(earlier[a]) if a in earlier else mean for a in left)
+        note += f"{';' if not done else ','} about {duration(estimate)} left"
+        if not done:
+            n = len(timed)
+            note += f" (from {n} earlier run{'s' * (n != 1)} on this CPU)"
     return note
+
+
+def earlier_times(runs: list[PlannedRun], cpu: str) -> dict[str, list[float]]:
+    """Arm -> the seconds each finished run of the study (its folder, else its archive) computed, for the runs whose
+    first start was on this CPU model (recorded in state.json from 2026-12-07 on)."""
+    from agentevo.machine import STATE_KEY, compute_seconds
+    from agentevo.train.tracking import MetricsLogger
+
+    times: dict[str, list[float]] = {}
+    for r in runs:
+        folder = next((d for d in (r.dir, r.archive) if d is not None and _finished(d)), None)
+        if folder is None:
+            continue
+        try:
+            starts = json.loads((folder / "state.json").read_text()).get(STATE_KEY) or []
+        except (OSError, ValueError):
+            continue
+        if not starts or starts[0].get("cpu") != cpu:
+            continue
+        records = MetricsLogger(folder, enabled=False).records()
+        seconds = compute_seconds(starts, [x["time"] for x in records if isinstance(x.get("time"), (int, float))])
+        if seconds > 0:
+            times.setdefault(r.arm.name, []).append(seconds)
+    return times
 
 
 def _subprocess_runner(argv: list[str]) -> int:
@@ -415,13 +449,16 @@ def run_study(study: Study, dry_run: bool = False, quiet: bool = True, echo: Cal
         return runs
     todo = [r for r in runs if r.status not in ("archived", "finished")]
     took: dict[str, list[float]] = {}  # arm -> seconds of its runs finished by this call, for the estimate of what is left
+    from agentevo.machine import cpu_description
+
+    earlier = earlier_times(plan(study, quiet), cpu_description()[0])  # the arms' earlier runs (any seed), this CPU
     for r in runs:
         if r.status == "archived":
             continue
         if r.status != "finished":
             k = sum(map(len, took.values())) + 1
             echo(f"{r.name}: {'resuming' if r.status == 'partial' else 'starting'} "
-                 f"({progress_note(k, [x.arm.name for x in todo[k - 1:]], took)})")
+                 f"({progress_note(k, [x.arm.name for x in todo[k - 1:]], took, earlier)})")
             start = clock()
             code = runner(r.argv)
             if code != 0 or run_status(r.dir) != "finished":

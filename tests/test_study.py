@@ -137,6 +137,35 @@ def test_a_study_says_how_far_it_is_and_how_long_is_left(tmp_path: Path) -> None
     ]
 
 
+def test_the_first_estimate_comes_from_the_same_arms_earlier_runs_on_this_cpu(tmp_path: Path) -> None:
+    from agentevo.machine import cpu_description
+
+    study = load_study(_study(tmp_path))
+    _, runner = _fake_train(tmp_path / "runs", {"base": [0, 1, 0, 0], "lr": [1, 1, 1, 0]})
+    run_study(study, echo=lambda line: None, runner=runner, seeds=[0], clock=lambda: 0.0)
+    for arm, seconds, cpu in (("base", 100.0, cpu_description()[0]), ("lr", 300.0, cpu_description()[0])):
+        run = tmp_path / "runs" / f"st-{arm}-s0"
+        state = json.loads((run / "state.json").read_text())
+        state["machine"] = [{"started": 1000.0, "cpu": cpu, "threads": 2}]
+        (run / "state.json").write_text(json.dumps(state))
+        times = [1000.0 + seconds / 2, 1000.0 + seconds, 5.0]  # the last one before the start: not counted
+        (run / "metrics.jsonl").write_text("".join(json.dumps({"time": t, "phase": "x", "step": 0}) + "\n"
+                                                   for t in times))
+    lines: list[str] = []
+    run_study(study, echo=lines.append, runner=runner, seeds=[1], clock=lambda: 0.0)
+    assert "st-base-s1: starting (run 1 of 2; about 6 min 40 s left (from 2 earlier runs on this CPU))" in lines
+
+    state = json.loads((tmp_path / "runs" / "st-lr-s0" / "state.json").read_text())
+    state["machine"][0]["cpu"] = "Another CPU"  # timed elsewhere: not an estimate here
+    (tmp_path / "runs" / "st-lr-s0" / "state.json").write_text(json.dumps(state))
+    for name in ("st-base-s1", "st-lr-s1"):  # seed 1 to be made again
+        shutil.rmtree(tmp_path / "runs" / name)
+        shutil.rmtree(tmp_path / "arch" / name)
+    lines.clear()
+    run_study(study, echo=lines.append, runner=runner, seeds=[1], clock=lambda: 0.0)
+    assert "st-base-s1: starting (run 1 of 2; about 3 min 20 s left (from 1 earlier run on this CPU))" in lines
+
+
 def test_archives_stand_in_for_lost_run_folders(tmp_path: Path) -> None:
     study = load_study(_study(tmp_path))
     calls, runner = _fake_train(tmp_path / "runs", {"base": [0, 1, 0, 0], "lr": [1, 1, 1, 0]})
