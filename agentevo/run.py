@@ -267,7 +267,7 @@ class Run:
         idle = idle_cores() if threads is None or self.main else 0.0  # one sample for the choice and the warning
         self.threads = set_torch_threads(threads if threads is not None else max(1, round(idle)))
         placement.configure(cfg.model.device, cfg.model.dtype, cfg.model.attn_implementation)
-        if self.main:
+        if self.main and FINISHED not in self.state:  # reopening a finished run (report rewrite) computes nothing
             self._record_machine(idle)
         self._signal_env: Any = None
         self._engine: Any = None  # the vLLM engine of this run (model.backend = vllm), kept across rounds

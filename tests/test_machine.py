@@ -104,6 +104,14 @@ def test_a_run_records_each_start_and_a_resume_keeps_its_first_thread_count(tmp_
     assert "over 3 starts" in report and "2 of its starts found fewer idle cores than threads" in report
     assert "**machine**" not in report  # not listed as a phase
 
+    run = Run.open(tmp_path / "r", quiet=True)
+    run.phase("finished", lambda: {"at": "now"})
+    run.close()
+    capsys.readouterr()  # that start's own resume warning
+    run = Run.open(tmp_path / "r", quiet=True)  # reopened after it finished (`agentevo resume` rewrites the report)
+    run.close()
+    assert len(_state(tmp_path / "r")[machine.STATE_KEY]) == 4 and "warning" not in capsys.readouterr().err
+
 
 def test_pinned_threads_on_a_busy_machine_warn_at_the_start(tmp_path: Path, monkeypatch: Any, capsys: Any) -> None:
     import agentevo.run as run_module
