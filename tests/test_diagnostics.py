@@ -169,6 +169,14 @@ def test_other_methods_verdicts() -> None:
     assert [d.verdict for d in broke] == ["pass", "pass", "fail"]
     assert broke[2].value == "0.471 (start 0); rejected log-prob drift -139" and "eto.beta" in broke[2].fix
     assert dg.eto_dpo({"format_error": 0.12, "format_error_start": 0.02})[0].verdict == "warn"  # +0.10
+    # the qe200 study's w/o GAE (Q - V) at seed 1: KL 0.368, held-out format errors 1.1% -> 50.6%
+    drift = dg.critic_fit({"kl_ref": 0.3677, "format_error": 0.506, "format_error_start": 0.011})
+    assert [(d.name.split(" (")[0], d.verdict) for d in drift] == [
+        ("KL of the updated policy to pi_BC", "warn"), ("held-out replies out of the action format, after this round",
+                                                       "fail")]
+    assert drift[1].value == "0.506 (start 0.011)" and "qevolve.kl_alpha" in drift[1].fix
+    kept = dg.critic_fit({"kl_ref": 0.02, "format_error": 0.0, "format_error_start": 0.011})  # the full method
+    assert [d.verdict for d in kept] == ["pass", "pass"]
 
 
 def test_render_section_tables_means_and_merging() -> None:

@@ -259,6 +259,19 @@ def update_follow_rows(v: dict[str, Any]) -> list[Diagnostic]:
                             ": their advantage is not negative (see the flagged-step row)"),
                          f"{_fmt(v['dlogp_flagged'])} over {_fmt(v.get('dlogp_flagged_n'))} steps "
                          f"(their mean advantage {_fmt(asked)})"))
+    if v.get("kl_ref") is not None:
+        rows.append(_row("KL of the updated policy to pi_BC (k3, per token, training steps)", v["kl_ref"],
+                         grade(v["kl_ref"], 0.1, 0.5, False),
+                         "the update moved the policy far from its start: lower qevolve.policy_lr or "
+                         "qevolve.policy_epochs, or raise qevolve.kl_alpha; read the format-error row beside it"))
+    if "format_error" in v and "format_error_start" in v:
+        rise = v["format_error"] - v["format_error_start"]
+        rows.append(_row("held-out replies out of the action format, after this round", rise,
+                         grade(rise, 0.05, 0.2, higher_is_better=False),
+                         "pushing down the tokens of negative-advantage actions broke the reply format (the "
+                         "invalid-action rate then falls because broken replies are not actions): lower "
+                         "qevolve.policy_lr, raise qevolve.kl_alpha, or narrow the low clip (qevolve.eps_low)",
+                         f"{_fmt(v['format_error'])} (start {_fmt(v['format_error_start'])})"))
     return rows
 
 

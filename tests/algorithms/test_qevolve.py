@@ -355,6 +355,13 @@ def test_one_round_end_to_end_and_resume(tmp_path, extra: list[str]) -> None:  #
         n_all = int(flat.numel())
         assert diag["flagged_adv"] * n_flagged + diag["unflagged_adv"] * (n_all - n_flagged) == pytest.approx(
             float(flat.sum()), abs=1e-4)
+    # step 6's record: held-out format errors against the BC start, and the update's KL (none without an update)
+    state = json.loads((tmp_path / "qe" / "state.json").read_text())
+    (drift,) = [r for r in records if r["phase"] == "diag/qevolve" and "format_error" in r]
+    assert drift["step"] == 1 and drift["format_error"] == state["eval/round-1"]["test"]["format_error_rate"]
+    assert drift["format_error_start"] == state["eval/bc"]["test"]["format_error_rate"]
+    assert drift.get("kl_ref") == state["round-1/policy"].get("kl_ref")
+    assert ("kl_ref" in drift) == ("qevolve.pi=none" not in extra)
     assert (tmp_path / "qe" / "checkpoints" / "round-1-critic" / "heads.pt").exists()
     phases = {json.loads(line)["phase"] for line in (tmp_path / "qe" / "metrics.jsonl").read_text().splitlines()}
     assert {"qevolve/data", "round-1/critic/train", "round-1/critic", "round-1/advantages"} <= phases

@@ -886,12 +886,32 @@ def evaluate_round(run: Run, r: int) -> dict[str, dict[str, Any]]:
     """Greedy evaluation of pi_r (or, with pi=none, pi_BC with the round-r critic reranking candidates)."""
     cfg, q = run.cfg, run.cfg.qevolve
     if q.pi != "none":
-        return run.evaluate(acting_policy(run, r), f"round-{r}")
-    critic, policy = load_round_critic(run, r)  # policy = pi_0 = pi_BC
-    sampling = Sampling(q.rerank_temperature, cfg.rollout.top_p, cfg.agent.max_new_tokens, seed=cfg.seed + 104729 * r)
-    actor = RerankActor(policy, critic, run.signal_env.instruction(), cfg.agent.history_window, q.rerank_n,
-                        sampling, cfg.optim.max_length)
-    return evaluate_actor(run, actor, f"round-{r}")
+        result = run.evaluate(acting_policy(run, r), f"round-{r}")
+    else:
+        critic, policy = load_round_critic(run, r)  # policy = pi_0 = pi_BC
+        sampling = Sampling(q.rerank_temperature, cfg.rollout.top_p, cfg.agent.max_new_tokens,
+                            seed=cfg.seed + 104729 * r)
+        actor = RerankActor(policy, critic, run.signal_env.instruction(), cfg.agent.history_window, q.rerank_n,
+                            sampling, cfg.optim.max_length)
+        result = evaluate_actor(run, actor, f"round-{r}")
+    log_round_drift(run, r, result)
+    return result
+
+
+def log_round_drift(run: Run, r: int, result: dict[str, dict[str, Any]]) -> None:
+    """diag/qevolve row of round r: did the update keep the reply format (held-out format errors against the
+    round's start policy) and how far did it move (KL to pi_BC on the training steps)?"""
+    start = run.state.get("eval/bc" if r == 1 else f"eval/round-{r - 1}") or {}
+    split = "test" if "test" in result else next(iter(result), None)
+    record: dict[str, Any] = {}
+    if split is not None and split in start:
+        record.update(format_error=result[split]["format_error_rate"],
+                      format_error_start=start[split]["format_error_rate"])
+    kl = (run.state.get(f"round-{r}/policy") or {}).get("kl_ref")
+    if kl is not None:
+        record["kl_ref"] = kl
+    if record:
+        run.logger.log("diag/qevolve", r, record)  # merged with the round's other diag/qevolve records
 
 
 def plot_rounds(run: Run) -> list[str]:
