@@ -1,5 +1,5 @@
 """One row per run of the qe200 study (configs/study/qevolve_cookingworld.study.yaml): held-out success and
-invalid-action rate of its BC start and of its last evaluation, and the premise rows each report prints
+invalid-action and format-error rates of its BC start and of its last evaluation, and the premise rows each report prints
 (critic ranking, flagged-step credit, progress AUC of the advantages, whether the update followed them, KL).
 
     python docs/studies/qevolve_cookingworld_powered/scripts/arm_table.py [RUN_OR_ARCHIVE_FOLDER ...]
@@ -41,6 +41,7 @@ def row(folder: Path) -> str:
     cells = [
         folder.name, fmt(bc.get("success_rate"), True), fmt((end or {}).get("success_rate"), True), phase or "",
         f"{fmt(bc.get('invalid_rate'), True)} -> {fmt((end or {}).get('invalid_rate'), True)}",
+        f"{fmt(bc.get('format_error_rate'), True)} -> {fmt((end or {}).get('format_error_rate'), True)}",
         fmt(critic.get("auc_v_states")), reused,
         fmt(adv["flagged_adv"] - adv["unflagged_adv"]) if "flagged_adv" in adv else "",
         fmt(adv.get("progress_auc")), fmt(follow.get("follow_auc")), fmt(pol.get("kl_ref")),
@@ -50,9 +51,10 @@ def row(folder: Path) -> str:
 
 def main(argv: list[str]) -> None:
     folders = [Path(a) for a in argv] or sorted((HERE / "runs").glob("qe200-*"))
-    print("| run | BC | end | end phase | invalid actions, BC -> end | critic AUC V(s_t) same step | critic reused "
-          "| flagged - other A | progress AUC of A | update follows A | KL to BC |")
-    print("|---" * 11 + "|")
+    print("| run | BC | end | end phase | invalid actions, BC -> end | format errors, BC -> end "
+          "| critic AUC V(s_t) same step | critic reused | flagged - other A | progress AUC of A | update follows A "
+          "| KL to BC |")
+    print("|---" * 12 + "|")
     for f in folders:
         if (f / "state.json").exists():
             print(row(f))
