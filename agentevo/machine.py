@@ -29,8 +29,8 @@ def parse_cpuinfo(text: str) -> tuple[str | None, list[str]]:
         key = key.strip()
         if key == "model name" and model is None:
             model = value.strip() or None
-        elif key in ("flags", "Features") and not flags:
-            flags = set(value.split())
+        elif key in ("flags", "Features"):  # x86 / ARM spelling; every processor's, as a union
+            flags.update(value.split())
     return model, [f for f in FEATURES if f in flags]
 
 

@@ -43,7 +43,7 @@ OWNER_FILE = "owner.json"  # who holds the lock: pid, host, command, start time
 
 def _start_threads(configured: int | None, starts: list[dict[str, Any]] | None) -> int | None:
     """The torch threads of this start: the config's, else the count the run's first start chose (a resume
-    computes what an uninterrupted run would), else None (set_torch_threads picks the idle cores)."""
+    computes what an uninterrupted run would), else None (Run takes the idle cores)."""
     if configured is not None:
         return configured
     return int(starts[0]["threads"]) if starts and isinstance(starts[0].get("threads"), int) else None

@@ -264,15 +264,22 @@ def update_follow_rows(v: dict[str, Any]) -> list[Diagnostic]:
                          grade(v["kl_ref"], 0.1, 0.5, False),
                          "the update moved the policy far from its start: lower qevolve.policy_lr or "
                          "qevolve.policy_epochs, or raise qevolve.kl_alpha; read the format-error row beside it"))
-    if "format_error" in v and "format_error_start" in v:
-        rise = v["format_error"] - v["format_error_start"]
-        rows.append(_row("held-out replies out of the action format, after this round", rise,
-                         grade(rise, 0.05, 0.2, higher_is_better=False),
-                         "pushing down the tokens of negative-advantage actions broke the reply format (the "
-                         "invalid-action rate then falls because broken replies are not actions): lower "
-                         "qevolve.policy_lr, raise qevolve.kl_alpha, or narrow the low clip (qevolve.eps_low)",
-                         f"{_fmt(v['format_error'])} (start {_fmt(v['format_error_start'])})"))
+    rows += _format_drift_rows(v, "round", "pushing down the tokens of negative-advantage actions broke the reply "
+                               "format (the invalid-action rate then falls because broken replies are not actions): "
+                               "lower qevolve.policy_lr, raise qevolve.kl_alpha, or narrow the low clip "
+                               "(qevolve.eps_low)")
     return rows
+
+
+def _format_drift_rows(v: dict[str, Any], step: str, fix: str, extra: str = "") -> list[Diagnostic]:
+    """The held-out format-error row (after this round / iteration against its start; fail on a rise of 0.2), or
+    none when the record lacks it."""
+    if "format_error" not in v or "format_error_start" not in v:
+        return []
+    rise = v["format_error"] - v["format_error_start"]
+    return [_row(f"held-out replies out of the action format, after this {step}", rise,
+                 grade(rise, 0.05, 0.2, higher_is_better=False), fix,
+                 f"{_fmt(v['format_error'])} (start {_fmt(v['format_error_start'])}){extra}")]
 
 
 def flagged_advantage(advantages: Sequence[float], flagged: Sequence[bool]) -> dict[str, float | int | None]:
@@ -441,15 +448,10 @@ def eto_dpo(v: dict[str, Any]) -> list[Diagnostic]:
                          grade(v["chosen_logp_drift"], 0.0, -1.0),
                          "DPO lowers the chosen trajectories too (likelihood displacement): lower eto.lr / "
                          "eto.lr_later or fewer epochs"))
-    if "format_error" in v and "format_error_start" in v:
-        rise = v["format_error"] - v["format_error_start"]
-        shown = f"{_fmt(v['format_error'])} (start {_fmt(v['format_error_start'])})"
-        if "rejected_logp_drift" in v:
-            shown += f"; rejected log-prob drift {_fmt(v['rejected_logp_drift'])}"
-        rows.append(_row("held-out replies out of the action format, after this iteration", rise,
-                         grade(rise, 0.05, 0.2, higher_is_better=False),
-                         "DPO pushes the rejected trajectories' tokens down until replies break: lower eto.lr / "
-                         "eto.lr_later, raise eto.beta, or fewer epochs", shown))
+    rejected = (f"; rejected log-prob drift {_fmt(v['rejected_logp_drift'])}" if "rejected_logp_drift" in v
+                else "")
+    rows += _format_drift_rows(v, "iteration", "DPO pushes the rejected trajectories' tokens down until replies "
+                               "break: lower eto.lr / eto.lr_later, raise eto.beta, or fewer epochs", rejected)
     return rows
 
 

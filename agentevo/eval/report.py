@@ -101,7 +101,7 @@ def format_value(value: Any, max_items: int = 12, nested: bool = False) -> str:
     return str(value)
 
 
-def _machine_lines(run: Run) -> list[str]:
+def _machine_lines(run: Run, records: list[dict[str, Any]]) -> list[str]:
     """The machine of the run's first start, any later start on other hardware, and the time it computed."""
     from agentevo.study import duration
 
@@ -115,7 +115,7 @@ def _machine_lines(run: Run) -> list[str]:
         diff = machine.resume_difference(starts[0], rec)
         if diff:
             lines.append(f"- resume {k} ran with {diff}: from there on it may differ from an uninterrupted run")
-    seconds = machine.compute_seconds(starts, [r["time"] for r in run.logger.records() if "time" in r])
+    seconds = machine.compute_seconds(starts, [r["time"] for r in records if "time" in r])
     n = len(starts)
     busy = [rec for rec in starts if rec.get("idle_cores") is not None and rec["idle_cores"] < rec["threads"] - 0.5]
     note = (f"; {len(busy)} of its starts found fewer idle cores than threads (another job was busy), so it is not "
@@ -131,13 +131,14 @@ def write_report(run: Run) -> Path:
     plots.mkdir(exist_ok=True)
     cfg = run.cfg
     rows = _eval_rows(run.state)
+    records = run.logger.records()  # metrics.jsonl, read once
     lines = [
         f"# {cfg.method} on {cfg.env.name}",
         "",
         f"- run folder: `{run.dir}`",
         f"- model: {cfg.model.path or 'embedded tiny Llama (tokenizer trained on environment text)'}",
         f"- seed: {cfg.seed}; torch threads: {run.threads}",
-        *_machine_lines(run),
+        *_machine_lines(run, records),
         f"- reproduce: `agentevo train {cfg.method} --config {run.dir / 'config.yaml'}`",
         "",
         f"## Held-out evaluation ({cfg.eval.protocol})",
@@ -155,13 +156,13 @@ def write_report(run: Run) -> Path:
         _plot_success(rows, plots / "success.png", cfg.eval.protocol)
         lines += ["", "![success](plots/success.png)"]
     lines += _task_type_lines(run.store, rows)
-    phases = _plot_training(run.logger.records(), plots / "training.png")
+    phases = _plot_training(records, plots / "training.png")
     if phases:
         lines += ["", "## Training", "", "![training loss](plots/training.png)"]
     method_plots = sorted(p.name for p in plots.glob("*.png") if p.name not in ("success.png", "training.png"))
     if method_plots:
         lines += ["", "## Method plots", ""] + [f"![{name[:-4]}](plots/{name})" for name in method_plots]
-    lines += render_section(run.logger.records())  # premise diagnostics (phases diag/<method>), when logged
+    lines += render_section(records)  # premise diagnostics (phases diag/<method>), when logged
     extra = {k: v for k, v in run.state.items() if not k.startswith("eval/") and k != machine.STATE_KEY}
     if extra:
         lines += ["", "## Phases", ""]

@@ -109,12 +109,8 @@ class Generation:
     text: str
 
 
-def set_torch_threads(threads: int | None) -> int:
-    """Use the given thread count, or the idle cores (at least 1) when None; returns the count in use."""
-    if threads is None:
-        from agentevo.machine import idle_cores
-
-        threads = max(1, int(round(idle_cores())))
+def set_torch_threads(threads: int) -> int:
+    """Use the given thread count (Run picks it: the config's, the first start's, or the idle cores); returns it."""
     torch.set_num_threads(threads)
     return threads
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from agentevo.errors import ConfigError
+from agentevo.machine import parse_cpuinfo
 
 log = logging.getLogger(__name__)
 
@@ -94,12 +95,8 @@ def _read_cpuinfo() -> str | None:
 def _cpu_bf16() -> tuple[bool, str]:
     text = _read_cpuinfo()
     if text is not None:
-        flags: set[str] = set()
-        for line in text.splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("flags", "Features"):  # x86 / ARM spelling
-                flags.update(value.split())
-        found = [f for f in CPU_BF16_FLAGS if f in flags]
+        features = parse_cpuinfo(text)[1]
+        found = [f for f in CPU_BF16_FLAGS if f in features]
         if found:
             return True, f"CPU flags {', '.join(found)} in /proc/cpuinfo"
         return False, f"no {' / '.join(CPU_BF16_FLAGS)} flag in /proc/cpuinfo"
