@@ -179,6 +179,15 @@ def test_other_methods_verdicts() -> None:
     assert [d.verdict for d in kept] == ["pass", "pass"]
 
 
+def test_format_drift_reads_the_test_split_else_the_first_and_needs_the_start() -> None:
+    after = {"seen": {"format_error_rate": 0.3}, "test": {"format_error_rate": 0.506}}
+    start = {"seen": {"format_error_rate": 0.0}, "test": {"format_error_rate": 0.011}}
+    assert dg.format_drift(after, start) == {"format_error": 0.506, "format_error_start": 0.011}
+    assert dg.format_drift({"seen": after["seen"]}, start) == {"format_error": 0.3, "format_error_start": 0.0}
+    assert dg.format_drift(after, {"seen": start["seen"]}) == {}  # start not evaluated on the test split
+    assert dg.format_drift({}, start) == {}
+
+
 def test_render_section_tables_means_and_merging() -> None:
     recs = [{"phase": "diag/qevolve", "step": 1, "time": 0, "auc_v1": 0.9},
             {"phase": "diag/rsd", "step": 0, "teacher_token_logp": -1.0, "student_token_logp": -1.5},

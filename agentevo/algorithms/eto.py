@@ -28,6 +28,7 @@ from agentevo.algorithms import losses
 from agentevo.algorithms.bc import warm_start
 from agentevo.data.tensors import StepSample, collate, reply_logprobs, trajectory_samples
 from agentevo.data.types import Trajectory
+from agentevo.eval.diagnostics import format_drift
 from agentevo.eval.metrics import summarize
 from agentevo.models.backend import Sampling, TransformersPolicy
 from agentevo.rollout.engine import EpisodeRequest, PolicyActor
@@ -262,11 +263,9 @@ def run(run: Run) -> dict[str, Any]:
             record[f"{split}_avg_reward"] = metrics["avg_reward"]
         run.logger.log("eto", i, record)
         # Does DPO keep the replies in the action format? (likelihood displacement shows here first)
-        evals, start = it[f"eval/eto-iter-{i}"], results.get("eval/bc") or {}
-        split = "test" if "test" in evals else next(iter(evals), None)
-        if split is not None and split in start:
-            run.logger.log("diag/eto", i, {"format_error": evals[split]["format_error_rate"],
-                                           "format_error_start": start[split]["format_error_rate"]})
+        drift = format_drift(it[f"eval/eto-iter-{i}"], results.get("eval/bc") or {})
+        if drift:
+            run.logger.log("diag/eto", i, drift)
         results[f"eto/iter-{i}"] = {**it["explore"], **it["dpo"], "env_steps_total": total + expert_steps}
         results[f"eval/eto-iter-{i}"] = it[f"eval/eto-iter-{i}"]
         current = f"eto-iter-{i}"

@@ -271,6 +271,16 @@ def update_follow_rows(v: dict[str, Any]) -> list[Diagnostic]:
     return rows
 
 
+def format_drift(result: dict[str, dict[str, Any]], start: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """The record `_format_drift_rows` reads: the held-out format-error rate of an evaluation (its test split, else
+    its first) and of the start policy on the same split; empty when the start was not evaluated there."""
+    split = "test" if "test" in result else next(iter(result), None)
+    if split is None or split not in start:
+        return {}
+    return {"format_error": result[split]["format_error_rate"],
+            "format_error_start": start[split]["format_error_rate"]}
+
+
 def _format_drift_rows(v: dict[str, Any], step: str, fix: str, extra: str = "") -> list[Diagnostic]:
     """The held-out format-error row (after this round / iteration against its start; fail on a rise of 0.2), or
     none when the record lacks it."""

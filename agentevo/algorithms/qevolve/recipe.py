@@ -902,11 +902,7 @@ def log_round_drift(run: Run, r: int, result: dict[str, dict[str, Any]]) -> None
     """diag/qevolve row of round r: did the update keep the reply format (held-out format errors against the
     round's start policy) and how far did it move (KL to pi_BC on the training steps)?"""
     start = run.state.get("eval/bc" if r == 1 else f"eval/round-{r - 1}") or {}
-    split = "test" if "test" in result else next(iter(result), None)
-    record: dict[str, Any] = {}
-    if split is not None and split in start:
-        record.update(format_error=result[split]["format_error_rate"],
-                      format_error_start=start[split]["format_error_rate"])
+    record: dict[str, Any] = diagnostics.format_drift(result, start)
     kl = (run.state.get(f"round-{r}/policy") or {}).get("kl_ref")
     if kl is not None:
         record["kl_ref"] = kl
