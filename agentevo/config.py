@@ -517,6 +517,12 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
     return plain(cfg)
 
 
+def with_defaults(tree: dict[str, Any]) -> dict[str, Any]:
+    """A saved config.yaml with every setting it lacks (one added to agentevo after it was written) at today's
+    default: what an older run did, as long as new settings default to the old behaviour."""
+    return _merge(config_to_dict(RunConfig()), tree or {})
+
+
 def flatten_dotted(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """A nested mapping as dotted keys ({"optim": {"lr": 1}} -> {"optim.lr": 1}); an empty mapping stays a value."""
     out: dict[str, Any] = {}

@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from agentevo.algorithms import losses
-from agentevo.config import config_to_dict
+from agentevo.config import with_defaults
 from agentevo.data.store import ExperienceStore
 from agentevo.data.tensors import StepSample, reply_logprobs, trajectory_samples
 from agentevo.data.types import Trajectory
@@ -150,14 +150,12 @@ def import_warm_start(run: Run, source: Path, collection: str = "expert",
     if missing:
         raise ConfigError(f"bc.warm_start_from: run {str(source)!r} has not finished {', '.join(missing)}; "
                           f"finish it with `agentevo resume {source}`")
-    theirs = yaml.safe_load(config_path.read_text())
+    theirs = with_defaults(yaml.safe_load(config_path.read_text()))  # settings it predates count as their defaults
     ours = yaml.safe_load((run.dir / "config.yaml").read_text())
     checks = [("env", None), ("agent", None), ("model", ("path", "tiny", "gguf_file")), *(also_equal or {}).items()]
     resized: list[str] = []  # evaluation split sizes that differ: the imported evaluations are redone here
     for section, keys in checks:
-        # a setting absent from the source's config.yaml (written before the setting existed) counts as its default
-        a = ours.get(section, {})
-        b = {**config_to_dict(type(getattr(run.cfg, section))()), **(theirs.get(section) or {})}
+        a, b = ours.get(section, {}), theirs.get(section) or {}
         for key in keys or sorted(set(a) | set(b)):
             if (section, key) == ("env", "n_train") and _n_tasks(a.get(key)) <= _n_tasks(b.get(key)):
                 continue  # a study may evolve on the first n training tasks of a BC run trained on more

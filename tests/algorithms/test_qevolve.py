@@ -457,6 +457,20 @@ def test_round1_data_from_copies_the_collection_and_checks_settings(tmp_path) ->
         import_round1_data(other, tmp_path / "main")
     other.close()
 
+    # a source written before a setting existed (its config.yaml lacks it) counts as that setting's default
+    import yaml
+
+    old = yaml.safe_load((tmp_path / "main" / "config.yaml").read_text())
+    del old["env"]["params"], old["agent"]["history_window"]
+    (tmp_path / "main" / "config.yaml").write_text(yaml.safe_dump(old))
+    again = make("after-upgrade")
+    assert import_round1_data(again, tmp_path / "main")["n"] == 3
+    again.close()
+    window = make("other-window", "agent.history_window=1")
+    with pytest.raises(ConfigError, match="agent is .*'history_window': 1.* here but .*'history_window': 3"):
+        import_round1_data(window, tmp_path / "main")
+    window.close()
+
 
 def test_flagged_gap_under_other_process_rewards_by_hand() -> None:
     """The diagnostic's what-if rows: the normalised flagged-minus-other advantage gap under lam 0 (TD), from the

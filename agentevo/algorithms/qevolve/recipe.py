@@ -37,6 +37,7 @@ from agentevo.algorithms import advantages as adv_math
 from agentevo.algorithms import losses
 from agentevo.algorithms.bc import ensure_reply_ids, warm_start
 from agentevo.algorithms.qevolve.config import QEvolveConfig
+from agentevo.config import with_defaults
 from agentevo.data.store import ExperienceStore
 from agentevo.data.tensors import StepSample, collate, forward_logits, reply_logprobs, trajectory_samples
 from agentevo.data.types import Trajectory
@@ -194,7 +195,8 @@ def setting_mismatch(ours: dict[str, Any], theirs: dict[str, Any], keys: tuple[s
 
 
 def _source_run(option: str, source: Path, phase: str, what: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A source run's state and config, checked to exist and to have finished `phase`."""
+    """A source run's state and config (settings it predates at their defaults), checked to exist and to have
+    finished `phase`."""
     import yaml
 
     state_path, config_path = source / "state.json", source / "config.yaml"
@@ -203,7 +205,7 @@ def _source_run(option: str, source: Path, phase: str, what: str) -> tuple[dict[
     state = json.loads(state_path.read_text())
     if phase not in state:
         raise ConfigError(f"qevolve.{option}: {str(source)!r} has not finished its {what}")
-    return state, yaml.safe_load(config_path.read_text())
+    return state, with_defaults(yaml.safe_load(config_path.read_text()))
 
 
 def import_round1_data(run: Run, source: Path) -> dict[str, Any]:
