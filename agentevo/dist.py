@@ -21,6 +21,11 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def local_world_size() -> int:
+    """Processes of this run on this machine (LOCAL_WORLD_SIZE, else WORLD_SIZE), 1 otherwise."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or world_size())
+
+
 def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 

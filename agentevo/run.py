@@ -49,6 +49,12 @@ def _start_threads(configured: int | None, starts: list[dict[str, Any]] | None) 
     return int(starts[0]["threads"]) if starts and isinstance(starts[0].get("threads"), int) else None
 
 
+def auto_threads(idle: float, local_processes: int = 1) -> int:
+    """The automatic torch thread count: this process's share of the idle cores (each of the run's processes on
+    this machine takes one share, so ranks do not oversubscribe the cores), at least 1."""
+    return max(1, round(idle / max(1, local_processes)))
+
+
 def check_run_name(name: str, output_dir: str | Path) -> None:
     """Refuse a run name that is not exactly one folder name under the output dir."""
     if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name or os.path.isabs(name):
@@ -264,8 +270,10 @@ class Run:
             self._release()
             raise
         threads = _start_threads(cfg.model.torch_threads, self.state.get(MACHINE))
-        idle = idle_cores() if threads is None or self.main else 0.0  # one sample for the choice and the warning
-        self.threads = set_torch_threads(threads if threads is not None else max(1, round(idle)))
+        idle = idle_cores() if self.main else 0.0  # one sample for the choice and the warning
+        if threads is None:  # rank 0's sample sets every rank's count (ranks computing alike; results reproduce)
+            threads = dist.broadcast(auto_threads(idle, dist.local_world_size()))
+        self.threads = set_torch_threads(threads)
         placement.configure(cfg.model.device, cfg.model.dtype, cfg.model.attn_implementation)
         if self.main and FINISHED not in self.state:  # reopening a finished run (report rewrite) computes nothing
             self._record_machine(idle)

@@ -125,3 +125,19 @@ def test_pinned_threads_on_a_busy_machine_warn_at_the_start(tmp_path: Path, monk
     run = Run.create(cfg, quiet=True)  # the automatic count takes the 1 thread there is room for: no warning
     run.close()
     assert run.threads == 1 and capsys.readouterr().err == ""
+
+
+def test_automatic_threads_share_the_idle_cores_among_the_runs_processes(tmp_path: Path, monkeypatch: Any) -> None:
+    from agentevo import run as run_module
+    from agentevo.config import load_config
+    from agentevo.run import Run, auto_threads
+
+    assert [auto_threads(2.2), auto_threads(2.2, 2), auto_threads(0.3), auto_threads(15.6, 8), auto_threads(7, 0)] \
+        == [2, 1, 1, 2, 7]
+    # 2 ranks of one run on a machine with 2.2 idle cores: 1 thread each, not 2 each (4 threads on 2 cores)
+    monkeypatch.setattr(run_module, "idle_cores", lambda: 2.2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    cfg = load_config(None, ["env.n_train=2"], name="ranks", output_dir=str(tmp_path))
+    run = Run.create(cfg, quiet=True)
+    assert run.threads == 1 and run.state["machine"][0]["threads"] == 1
+    run.close()

@@ -201,6 +201,16 @@ def test_bc_recipe_under_two_processes_matches_one(tmp_path) -> None:  # noqa: A
     assert "recipe 'qlass' does not run under accelerate launch yet" in refused.stderr
 
 
+@pytest.mark.slow
+def test_automatic_threads_under_two_processes_share_the_cores(tmp_path) -> None:  # noqa: ANN001
+    """Without model.torch_threads each of 2 ranks takes half of the idle cores rank 0 saw (not all of them each)."""
+    args = [a if a != "model.torch_threads=1" else "model.torch_threads=null" for a in RECIPE_SMALL]  # the demo pins 2
+    two = _launch(2, ["train", *args, "--name", "auto", "--output-dir", str(tmp_path)])
+    assert two.returncode == 0, two.stderr
+    (start,) = json.loads((tmp_path / "auto" / "state.json").read_text())["machine"]
+    assert 1 <= start["threads"] <= max(1, round((os.cpu_count() or 1) / 2))
+
+
 QEVOLVE_SMALL = [
     "qevolve", "--config", "configs/qevolve_twx.yaml", *RECIPE_SMALL[2:],
     "--set", "qevolve.n_iters=1", "--set", "qevolve.n_self_per_task=2", "--set", "qevolve.critic_hidden=16",
