@@ -207,12 +207,14 @@ def load_study(path: str | Path, check_configs: bool = True) -> Study:
     study = Study(path, name, Path(data.get("output_dir") or "runs"), seeds, order, data.get("config"), arms,
                   Path(data["archive"]) if data.get("archive") else None, compares)
     if check_configs:
-        for arm in arms:  # every arm's config is checked now, not hours later when its turn comes
-            try:
-                load_config(arm.config, _run_overrides(study, arm, seeds[0]), method=arm.method,
-                            name=run_name(study, arm.name, seeds[0]), output_dir=str(study.output_dir))
-            except ConfigError as exc:
-                raise ConfigError(f"{where}, arm {arm.name!r}: {exc}") from None
+        for arm in arms:  # every run's config is checked now, not hours later when its turn comes
+            for k, seed in enumerate(seeds):
+                try:
+                    load_config(arm.config, _run_overrides(study, arm, seed), method=arm.method,
+                                name=run_name(study, arm.name, seed), output_dir=str(study.output_dir))
+                except ConfigError as exc:
+                    at = f", seed {seed}" if k else ""  # the first seed's error is the arm's, at every seed
+                    raise ConfigError(f"{where}, arm {arm.name!r}{at}: {exc}") from None
     return study
 
 

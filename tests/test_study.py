@@ -246,6 +246,9 @@ def test_an_arm_takes_its_own_config_and_names_other_arms_runs(tmp_path: Path) -
         load_study(_study(tmp_path, text.replace("  base: {{method: bc}}", "  base: {{}}"), cfg=str(base)))
     with pytest.raises(ConfigError, match=r"arm 'own': config file '.*nowhere.yaml' does not exist"):
         load_study(_study(tmp_path, text, cfg=str(tmp_path / "nowhere.yaml")))
+    # every seed's config is checked up front, not only the first seed's
+    with pytest.raises(ConfigError, match=r"arm 'base', seed 4294967296: seed must be in \[0, 4294967295\]"):
+        load_study(_study(tmp_path, text.replace("seeds: [0, 1]", "seeds: [0, 4294967296]"), cfg=str(base)))
 
 
 def test_a_failed_run_stops_the_study_with_the_way_on(tmp_path: Path) -> None:
