@@ -23,9 +23,13 @@ def require_java(env_name: str) -> None:
 
 @contextmanager
 def bounded_jvm(max_heap_mb: int) -> Iterator[None]:
-    """Start JVMs inside this block with a bounded heap, a serial GC and one processor's worth of threads."""
+    """Start JVMs inside this block with a bounded heap, a serial GC, one processor's worth of threads and no
+    hsperfdata file: the JVM's warning that such a file is locked by another process goes to stdout, where py4j
+    reads the gateway's port, and the env's reset failed on it (seen in a study: "invalid literal for int() ...
+    [warning][perf,memops] Cannot use file /tmp/hsperfdata_root/21135")."""
     previous = os.environ.get("JAVA_TOOL_OPTIONS")
-    os.environ["JAVA_TOOL_OPTIONS"] = f"-Xmx{max_heap_mb}m -XX:+UseSerialGC -XX:ActiveProcessorCount=1"
+    os.environ["JAVA_TOOL_OPTIONS"] = (f"-Xmx{max_heap_mb}m -XX:+UseSerialGC -XX:ActiveProcessorCount=1 "
+                                       "-XX:-UsePerfData")
     try:
         yield
     finally:

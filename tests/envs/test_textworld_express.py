@@ -99,3 +99,20 @@ def test_close_kills_a_wedged_jvm(twx_env) -> None:  # noqa: ANN001
     twx_env.close()
     assert proc.poll() is not None and time.monotonic() - t0 < 30
     assert twx_env.jvm_pid() is None
+
+
+def test_bounded_jvm_options_reach_the_jvm_and_write_no_perf_file() -> None:
+    """The JVMs an env starts run with the bounded options, UsePerfData off among them: no hsperfdata file whose
+    lock warning (printed on stdout) py4j would read as the gateway's port."""
+    import subprocess
+
+    from agentevo.envs.java import bounded_jvm
+
+    with bounded_jvm(64):
+        out = subprocess.run(["java", "-XX:+PrintFlagsFinal", "-version"], capture_output=True, text=True,
+                             timeout=60).stdout
+    flags = {line.split()[1]: line.split()[3] for line in out.splitlines() if len(line.split()) >= 4
+             and line.split()[2] == "="}
+    assert (flags["UsePerfData"], flags["UseSerialGC"], flags["ActiveProcessorCount"]) == ("false", "true", "1")
+    assert flags["MaxHeapSize"] == str(64 * 1024 * 1024)
+    assert "JAVA_TOOL_OPTIONS" not in os.environ or "UsePerfData" not in os.environ["JAVA_TOOL_OPTIONS"]
