@@ -140,7 +140,7 @@ def test_jvm_heap_is_bounded(env: sw.ScienceWorldEnv) -> None:
     if sys.platform.startswith("linux"):
         with open(f"/proc/{pid}/environ", "rb") as fh:
             environ = fh.read().split(b"\0")
-        assert b"JAVA_TOOL_OPTIONS=-Xmx512m -XX:+UseSerialGC -XX:ActiveProcessorCount=1" in environ
+        assert b"JAVA_TOOL_OPTIONS=-Xmx512m -XX:+UseSerialGC -XX:ActiveProcessorCount=1 -XX:-UsePerfData" in environ
 
 
 @needs_sim
