@@ -108,6 +108,7 @@ def test_bounded_jvm_options_reach_the_jvm_and_write_no_perf_file() -> None:
 
     from agentevo.envs.java import bounded_jvm
 
+    before = os.environ.get("JAVA_TOOL_OPTIONS")  # another env's block may be open in this process
     with bounded_jvm(64):
         out = subprocess.run(["java", "-XX:+PrintFlagsFinal", "-version"], capture_output=True, text=True,
                              timeout=60).stdout
@@ -115,4 +116,4 @@ def test_bounded_jvm_options_reach_the_jvm_and_write_no_perf_file() -> None:
              and line.split()[2] == "="}
     assert (flags["UsePerfData"], flags["UseSerialGC"], flags["ActiveProcessorCount"]) == ("false", "true", "1")
     assert flags["MaxHeapSize"] == str(64 * 1024 * 1024)
-    assert "JAVA_TOOL_OPTIONS" not in os.environ or "UsePerfData" not in os.environ["JAVA_TOOL_OPTIONS"]
+    assert os.environ.get("JAVA_TOOL_OPTIONS") == before  # restored on leaving the block
