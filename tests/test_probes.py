@@ -317,7 +317,7 @@ def test_qevolve_ablation_changes_what_it_claims(trap_runs: Path, tmp_path, flag
                                               f"bc.warm_start_from={trap_runs / 'bc'}",
                                               f"qevolve.round1_data_from={full}"], tmp_path, "ablation")
     mine, theirs = _labels(tmp_path / "ablation"), _labels(full)
-    assert mine["keys"] == theirs["keys"]  # the same D
+    assert mine["slots"] == theirs["slots"]  # the same D, trajectory by trajectory
     v_diff = max(abs(a - b) for a, b in zip(_flat(mine["v"]), _flat(theirs["v"]), strict=True))
     a_diff = max(abs(a - b) for a, b in zip(_flat(mine["raw"]), _flat(theirs["raw"]), strict=True))
     if claim == "critic":  # the critic's rewards / weights change, so its values and the advantages do
@@ -364,6 +364,23 @@ def test_round1_critic_from_reuses_the_fitted_critic(trap_runs: Path, tmp_path) 
     with pytest.raises(ConfigError, match=r"round1_critic_from: qevolve.rr is False here but True in"):
         run_probe("qevolve", "probe-trap", [*common, "qevolve.rr=false",
                                             f"qevolve.round1_critic_from={trap_runs / 'full'}"], tmp_path, "wo-rr")
+
+
+def test_policy_seed_changes_the_update_order_only(trap_runs: Path, tmp_path) -> None:  # noqa: ANN001
+    """On the full run's round-1 data and critic, qevolve.policy_seed equal to the run's seed is the default update
+    (the same weights); another one gives the same advantages and other weights (the noise-floor arm)."""
+    common = [*NOISY, *QEVOLVE, "qevolve.n_iters=1", f"bc.warm_start_from={trap_runs / 'bc'}",
+              f"qevolve.round1_data_from={trap_runs / 'full'}", f"qevolve.round1_critic_from={trap_runs / 'full'}"]
+    runs = {"default": [], "same": ["qevolve.policy_seed=0"], "other": ["qevolve.policy_seed=5"]}
+    for name, extra in runs.items():
+        run_probe("qevolve", "probe-trap", [*common, *extra], tmp_path, name)
+
+    def weights(name: str) -> bytes:
+        return (tmp_path / name / "checkpoints" / "round-1" / "model.safetensors").read_bytes()
+
+    assert weights("same") == weights("default") != weights("other")
+    default, other = _labels(tmp_path / "default"), _labels(tmp_path / "other")
+    assert default["slots"] == other["slots"] and default["raw"] == other["raw"]
 
 
 def test_eto_escapes_the_trap(trap_runs: Path, tmp_path) -> None:  # noqa: ANN001

@@ -294,7 +294,9 @@ def test_the_shipped_stall_probe_study_reads() -> None:
 
 def test_the_shipped_qevolve_study_reads() -> None:
     study = load_study("configs/study/qevolve_cookingworld.study.yaml")  # every arm's config built and validated
-    assert len(study.arms) == 12 and len(plan(study)) == 36
+    assert len(study.arms) == 14 and len(plan(study)) == 42
+    order = plan(study, seeds=[2], arms=["qe-order1"])[2]  # the noise-floor arm: the same data and critic as qe
+    assert {"qevolve.policy_seed=1000", "qevolve.round1_critic_from=runs/qe200/qe200-qe-s2"} <= set(order.argv)
     assert with_needs(study, ["qe-wo-gae"]) == ["bc", "qe", "qe-wo-gae"]
     wo_gae = plan(study, seeds=[1], arms=["qe-wo-gae"])[2]
     cfg = load_config(wo_gae.arm.config, [wo_gae.argv[i + 1] for i, a in enumerate(wo_gae.argv) if a == "--set"],

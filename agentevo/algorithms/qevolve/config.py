@@ -78,6 +78,10 @@ class QEvolveConfig:
     policy_epochs: float = option("policy epochs over D [O]", 1.0, gt=0)
     policy_batch_size: int = option("training rows per policy optimiser step [O: 64 trajectories]", 64, ge=1)
     policy_micro_batch_size: int = option("training rows per policy forward/backward [O]", 8, ge=1)
+    policy_seed: int | None = option(
+        "seed of the policy update's minibatch order in round r (S + r; null: the run's seed). An arm that changes "
+        "only this, reusing the round-1 data and critic, measures how far the order alone moves the result: the "
+        "noise floor the ablations are read against [O]", None, ge=0)
     awr_beta: float = option("AWR temperature beta (pi=awr) [P:IQL]", 3.0, gt=0)
     awr_cap: float = option("AWR weight cap (pi=awr) [P:IQL]", 100.0, gt=0)
     # -- 'w/o PI': critic reranking at test time

@@ -173,7 +173,7 @@ ROUND1_DATA_KEYS = ("seed", "env", "model", "agent", "bc", "rollout.top_p", "qev
 # same round-1 critic on the same D, so an ablation of pr or pi can reuse the full method's (round1_critic_from).
 AFTER_CRITIC_KEYS = ("n_iters", "round1_data_from", "round1_critic_from", "pr", "lam", "adv_norm", "pi", "eps_low",
                      "eps_high", "kl_alpha", "loss_agg", "policy_lr", "policy_epochs", "policy_batch_size",
-                     "policy_micro_batch_size", "awr_beta", "awr_cap", "rerank_n", "rerank_temperature")
+                     "policy_micro_batch_size", "policy_seed", "awr_beta", "awr_cap", "rerank_n", "rerank_temperature")
 
 
 def round1_critic_keys() -> tuple[str, ...]:
@@ -235,7 +235,13 @@ class Dataset:
 
     @property
     def keys(self) -> list[int]:
+        """Store row ids: name D within this run's store."""
         return [int(t.meta["store_id"]) for t in self.trajs]
+
+    @property
+    def slots(self) -> list[str]:
+        """'collection/slot' per trajectory: the same across runs that share round-1 data (their row ids differ)."""
+        return [f"{t.meta['collection']}/{t.meta['slot']}" for t in self.trajs]
 
 
 def hybrid_dataset(run: Run, r: int) -> Dataset:
@@ -595,7 +601,7 @@ def compute_advantages(run: Run, r: int, data: Dataset, cache: dict[str, Any]) -
     raw, final = dataset_advantages(q, labels, values)
     flat = torch.tensor([a for adv in raw for a in adv])
     path = labels_path(run, r)
-    write_text_atomic(path, json.dumps({"keys": data.keys, "adv": final, "raw": raw, "v": [v["v"] for v in values]}))
+    write_text_atomic(path, json.dumps({"keys": data.keys, "slots": data.slots, "adv": final, "raw": raw, "v": [v["v"] for v in values]}))
     stats = {**value_stats(data, values, q.tau), **advantage_stats(data, final, flat)}
     run.logger.log(f"round-{r}/advantages", 0, stats)
     is_flagged = [s.signal != SIGNAL_NONE for t in data.trajs for s in t.steps]
@@ -800,7 +806,8 @@ def improve_policy(run: Run, r: int, data: Dataset) -> dict[str, Any]:
     optim = dataclasses.replace(cfg.optim, lr=q.policy_lr, epochs=q.policy_epochs, batch_size=q.policy_batch_size,
                                 micro_batch_size=q.policy_micro_batch_size)
     # With LoRA the round's policy is the adapter on pi_BC's frozen base: saved as an adapter, not merged.
-    stats = finetune(run, policy, samples, policy_loss(q), f"round-{r}", optim=optim, seed=cfg.seed + r,
+    order_seed = (cfg.seed if q.policy_seed is None else q.policy_seed) + r
+    stats = finetune(run, policy, samples, policy_loss(q), f"round-{r}", optim=optim, seed=order_seed,
                      log_phase=f"round-{r}/policy/train", model=policy.model.train(), merge_lora=False)
     # Did the update follow the advantages? log pi_r - log pi_{r-1} of every training action (one forward pass).
     follow = update_follow_record(data, samples, old, span_logprobs(policy.model, samples, policy.pad_id, micro))
