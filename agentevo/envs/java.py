@@ -39,6 +39,25 @@ def bounded_jvm(max_heap_mb: int) -> Iterator[None]:
             os.environ["JAVA_TOOL_OPTIONS"] = previous
 
 
+_QUIET: dict[type, type] = {}
+
+
+def quiet_when_half_built(simulator_cls: type) -> type:
+    """The simulator class with a `__del__` that skips an instance whose JVM never started.
+
+    TextWorldExpress's and ScienceWorld's `__del__` call `close()`, which reads `self._gateway`; when the JVM fails
+    to start (a port py4j cannot read, a missing jar) the instance has none, and garbage collection printed an
+    AttributeError traceback after the real error. The subclass is made once per class."""
+    if simulator_cls not in _QUIET:
+
+        def __del__(self: Any) -> None:
+            if "_gateway" in self.__dict__:
+                simulator_cls.__del__(self)  # type: ignore[attr-defined]
+
+        _QUIET[simulator_cls] = type(simulator_cls.__name__, (simulator_cls,), {"__del__": __del__})
+    return _QUIET[simulator_cls]
+
+
 def jvm_process(simulator: Any) -> Any:
     """The subprocess.Popen of a py4j-backed simulator's JVM (its gateway's java_process), or None."""
     return getattr(getattr(simulator, "_gateway", None), "java_process", None)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from agentevo.envs.base import SPLITS, Task, TaskList, classify_signal
-from agentevo.envs.java import bounded_jvm, jvm_process, require_java, shutdown_jvm
+from agentevo.envs.java import bounded_jvm, jvm_process, quiet_when_half_built, require_java, shutdown_jvm
 from agentevo.errors import ConfigError, EnvCrashedError, MissingDependencyError
 
 logger = logging.getLogger(__name__)
@@ -184,7 +184,7 @@ def _import_scienceworld() -> Any:
             "ScienceWorld is not installed; install it with `pip install 'agentevo[scienceworld]'` "
             "(or `pip install scienceworld`)"
         ) from exc
-    return _SimEnv
+    return quiet_when_half_built(_SimEnv)
 
 
 def _resolve_task_names(task_names: list[str] | tuple[str, ...] | str | None) -> tuple[str, ...]:

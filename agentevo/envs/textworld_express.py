@@ -6,7 +6,7 @@ import threading
 from typing import Any
 
 from agentevo.envs.base import SPLITS, Task, TaskList, classify_signal
-from agentevo.envs.java import bounded_jvm, jvm_process, require_java, shutdown_jvm
+from agentevo.envs.java import bounded_jvm, jvm_process, quiet_when_half_built, require_java, shutdown_jvm
 from agentevo.errors import ConfigError, EnvCrashedError, MissingDependencyError
 
 INVALID_PATTERNS = (
@@ -35,7 +35,7 @@ def _import_twx() -> Any:
             "TextWorldExpress is not installed; install it with `pip install 'agentevo[twx]'` "
             "(or `pip install textworld-express`)"
         ) from exc
-    return TextWorldExpressEnv
+    return quiet_when_half_built(TextWorldExpressEnv)
 
 
 class _TWXBase:

@@ -117,3 +117,24 @@ def test_bounded_jvm_options_reach_the_jvm_and_write_no_perf_file() -> None:
     assert (flags["UsePerfData"], flags["UseSerialGC"], flags["ActiveProcessorCount"]) == ("false", "true", "1")
     assert flags["MaxHeapSize"] == str(64 * 1024 * 1024)
     assert os.environ.get("JAVA_TOOL_OPTIONS") == before  # restored on leaving the block
+
+
+def test_a_jvm_that_fails_to_start_leaves_no_traceback_behind(monkeypatch) -> None:  # noqa: ANN001
+    """The failed start raises; the half-built simulator is then collected without printing an AttributeError (its
+    own __del__ read a gateway it never had)."""
+    import sys
+
+    import textworld_express.textworld_express as simulator
+
+    def no_port(*args: object, **kwargs: object) -> None:
+        raise ValueError("invalid literal for int() with base 10: '[warning][perf,memops] Cannot use file'")
+
+    monkeypatch.setattr(simulator, "launch_gateway", no_port)
+    unraisable: list[str] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda info: unraisable.append(repr(info.exc_value)))
+    env = make_env("twx-cookingworld", n_train=2, n_dev=2, n_test=2)
+    with pytest.raises(ValueError, match="invalid literal"):
+        env._jvm()
+    gc.collect()
+    assert unraisable == []
+    assert env.jvm_pid() is None
