@@ -118,7 +118,8 @@ def test_advantage_and_logprob_labels_reach_their_reply_tokens(tiny_policy, wind
     for s, o in zip(samples, old, strict=True):
         s.token_labels["old_logp"] = o
     batch = collate(samples, tiny_policy.pad_id)
-    logp, mask = reply_logprobs(tiny_policy.model, batch)
+    with torch.no_grad():
+        logp, mask = reply_logprobs(tiny_policy.model, batch)
     for row, s in enumerate(samples):
         for col in range(batch["input_ids"].shape[1]):
             t = int(batch["step_id"][row, col])
