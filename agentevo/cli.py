@@ -202,7 +202,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from agentevo.eval.compare import compare
 
     result = compare([Path(d) for d in args.run_dirs], args.split, Path(args.out), args.metric, args.baseline,
-                     baseline_point=args.baseline_point)
+                     baseline_point=args.baseline_point, noise_floor=args.noise_floor)
     for warning in result.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     print(result.table)
@@ -210,6 +210,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         print(f"\npaired differences vs {result.baseline} (arm - baseline, points; 95% bootstrap intervals over tasks "
               f"and over seeds and tasks; exact sign-test p; see {result.path.name}):\n{result.paired_table}\n")
         print("\n".join(result.sentences))
+    if result.noise_sentences:
+        print(f"\nagainst the noise floor ({', '.join(args.noise_floor)}):\n{result.noise_table}\n")
+        print("\n".join(result.noise_sentences))
     print(result.path)
     return 0
 
@@ -354,6 +357,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline-point", metavar="LABEL",
                    help="instead of another arm, pair each run with its own evaluation at LABEL (e.g. bc: the start "
                         "it evolved from), so no separate baseline runs are needed")
+    p.add_argument("--noise-floor", metavar="ARM", nargs="+",
+                   help="arms that repeat the baseline with nothing that matters changed (e.g. another minibatch "
+                        "order, qevolve.policy_seed): each other arm's per-seed differences are read against theirs "
+                        "(exact permutation p); with --baseline")
     p.add_argument("--split", default="test")
     p.add_argument("--out", default="runs/compare", help="folder for compare.md and compare.png")
     p.add_argument("--metric", default="success", choices=list(METRICS),

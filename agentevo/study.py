@@ -20,6 +20,9 @@ A study file (YAML) names what a bash loop over `agentevo train` would, and noth
     compare:                        # optional: `agentevo compare` calls once every run has finished
       - {baseline: none, out: runs/cmp/vs-none}
       - {arms: [lam0, const], baseline: lam0, out: runs/cmp/vs-lam0}
+      # an entry may add noise_floor: [ARM, ...], arms that repeat the baseline with nothing that matters changed
+      # (another minibatch order): every other arm's per-seed differences are read against theirs
+      # (agentevo compare --noise-floor; configs/study/qevolve_cookingworld.study.yaml has one)
 
 `agentevo study FILE` checks every arm's config before any work, then for each run in order: skips it when it has
 finished, resumes it when its folder exists, starts it otherwise, each in its own `agentevo train` / `resume`
@@ -58,7 +61,7 @@ from agentevo.run import FINISHED
 
 STUDY_KEYS = ("name", "output_dir", "seeds", "order", "method", "config", "set", "arms", "archive", "compare")
 ARM_KEYS = ("method", "config", "set", "warm_start_from")
-COMPARE_KEYS = ("arms", "baseline", "baseline_point", "split", "metric", "out")
+COMPARE_KEYS = ("arms", "baseline", "baseline_point", "noise_floor", "split", "metric", "out")
 _ARM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 _RUN_REF = re.compile(r"\{run:([^}]*)\}")  # {run:ARM}: that arm's run folder, same seed
 
@@ -86,6 +89,7 @@ class Comparison:
     baseline_point: str | None = None
     split: str = "test"
     metric: str = "success"
+    noise_floor: list[str] | None = None
 
 
 @dataclass
@@ -198,12 +202,13 @@ def load_study(path: str | Path, check_configs: bool = True) -> Study:
             raise ConfigError(f"{c_where}: each entry needs at least 'out' (the folder for compare.md)")
         _unknown(c_where, raw, COMPARE_KEYS)
         names = raw.get("arms") or [a.name for a in arms]
-        missing = [a for a in [*names, *([raw["baseline"]] if raw.get("baseline") else [])]
-                   if a not in [x.name for x in arms]]
+        missing = [a for a in [*names, *([raw["baseline"]] if raw.get("baseline") else []),
+                               *(raw.get("noise_floor") or [])] if a not in [x.name for x in arms]]
         if missing:
             raise ConfigError(f"{c_where}: {missing[0]!r} is not an arm of the study ({', '.join(a.name for a in arms)})")
+        names = [*names, *(a for a in raw.get("noise_floor") or [] if a not in names)]  # their runs are read too
         compares.append(Comparison(list(names), Path(raw["out"]), raw.get("baseline"), raw.get("baseline_point"),
-                                   raw.get("split", "test"), raw.get("metric", "success")))
+                                   raw.get("split", "test"), raw.get("metric", "success"), raw.get("noise_floor")))
     study = Study(path, name, Path(data.get("output_dir") or "runs"), seeds, order, data.get("config"), arms,
                   Path(data["archive"]) if data.get("archive") else None, compares)
     if check_configs:
@@ -491,8 +496,10 @@ def run_study(study: Study, dry_run: bool = False, quiet: bool = True, echo: Cal
             echo(f"compare -> {c.out}: skipped, its arms have no finished runs yet")
             continue
         baseline = arm_group(study, c.baseline) if c.baseline else None
-        result = compare(dirs, c.split, c.out, c.metric, baseline, baseline_point=c.baseline_point)
+        noise = [arm_group(study, a) for a in c.noise_floor] if c.noise_floor else None
+        result = compare(dirs, c.split, c.out, c.metric, baseline, baseline_point=c.baseline_point,
+                         noise_floor=noise)
         echo(f"compare -> {result.path}")
-        for line in result.sentences:
+        for line in [*result.sentences, *result.noise_sentences]:
             echo(line)
     return runs

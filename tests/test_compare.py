@@ -379,3 +379,38 @@ def test_premise_diagnostics_of_each_run_sit_beside_the_differences(tmp_path: Pa
     # runs without diagnostics: no section
     plain = _run(tmp_path, "p-s0", {"bc": 0.5}, outcomes={"bc": [1, 0]})
     assert "Premise diagnostics" not in compare([plain], "test", tmp_path / "o2").text
+
+
+def test_noise_floor_reads_each_arm_against_the_same_method_trained_again(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """Per-seed differences vs base (3 seeds x 4 tasks): the arm +25 / +25 / +25; the two noise-floor arms
+    0 / -25 / +25 and +25 / 0 / 0. The arm's three values are read against the six by an exact permutation test."""
+    base = [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0]]
+    arm = [[1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 0]]
+    noise = {"n1": [[1, 0, 0, 0], [1, 0, 0, 0], [1, 0, 0, 0]], "n2": [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0]]}
+    runs = []
+    for s in range(3):
+        runs.append(_run(tmp_path, f"base-s{s}", {"r1": sum(base[s]) / 4}, outcomes={"r1": base[s]}))
+        runs.append(_run(tmp_path, f"arm-s{s}", {"r1": sum(arm[s]) / 4}, outcomes={"r1": arm[s]}))
+        for name, rows in noise.items():
+            runs.append(_run(tmp_path, f"{name}-s{s}", {"r1": sum(rows[s]) / 4}, outcomes={"r1": rows[s]}))
+    result = compare(runs, "test", tmp_path / "out", baseline="base", noise_floor=["n1", "n2"])
+    draws = "+0.0 / -25.0 / +25.0 / +25.0 / +0.0 / +0.0"
+    # pooled [25, 25, 25] + [0, -25, 25, 25, 0, 0] (total 75): arm mean 25, noise mean 4.17, gap +20.8; noise sd
+    # sqrt(1770.8 / 5) = 18.8. A triple with sum S differs from the other six by S / 3 - (75 - S) / 6 = S / 2 - 12.5:
+    # >= 20.8 needs S = 75, three of the five +25s: C(5, 3) = 10 of C(9, 3) = 84 splits (0.119 one-sided);
+    # <= -20.8 needs S <= -16.7: -25 with two of the three zeros, 3 more (13 / 84 = 0.155 two-sided).
+    assert result.noise_table.splitlines()[2] == f"| arm | +25.0 / +25.0 / +25.0 | {draws} | +20.8 | 0.119 / 0.155 |"
+    assert result.noise_sentences[0].startswith("- **arm** against the noise floor (n1, n2: 6 differences from base, "
+                                                "sd 18.8): +20.8 points beyond their mean, permutation p = 0.155")
+    assert result.noise_sentences[0].endswith("within the noise floor: the same method with nothing that matters "
+                                              "changed moves as far.")
+    assert "Against the noise floor (n1, n2" in result.path.read_text()
+    assert not any(line.startswith("| n1 ") for line in result.noise_table.splitlines())  # no row for the floor
+    assert main(["compare", *map(str, runs), "--baseline", "base", "--noise-floor", "n1", "n2", "--out",
+                 str(tmp_path / "o2")]) == 0
+    assert "against the noise floor (n1, n2):" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match=r"--noise-floor 'n3' is not one of the arms"):
+        compare(runs, "test", tmp_path / "o3", baseline="base", noise_floor=["n3"])
+    with pytest.raises(ConfigError, match=r"--noise-floor reads differences from another arm"):
+        compare(runs, "test", tmp_path / "o4", baseline_point="r1", noise_floor=["n1"])

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from agentevo.eval.stats import bootstrap_mean_ci, format_p, paired_difference, seed_task_bootstrap_ci, sign_test_p
+from agentevo.eval.stats import (
+    bootstrap_mean_ci,
+    format_p,
+    paired_difference,
+    permutation_p,
+    seed_task_bootstrap_ci,
+    sign_test_p,
+)
 
 
 def test_sign_test_p_matches_the_exact_binomial_by_hand() -> None:
@@ -85,3 +92,17 @@ def test_seed_and_task_bootstrap_by_hand() -> None:
     assert paired_difference([[100.0, 0.0]], [[0.0, 0.0]]).seeds_exclude_zero is None
     with pytest.raises(ValueError, match="pairs x tasks"):
         seed_task_bootstrap_ci([[]])
+
+
+def test_permutation_p_counts_every_split_by_hand() -> None:
+    # the qe200 study's w/o W-IQL vs Q-Evolve (+2.5 / +3.0 / +4.5) against four minibatch-order draws: pooled
+    # [-4.0, 0.5, 1.5, 2.5, 3.0, 4.5, 4.5] (total 12.5); a triple of sum S differs from the other four by
+    # S / 3 - (12.5 - S) / 4 = (7 S - 37.5) / 12, so the observed +2.71 needs S >= 10: 4.5 + 4.5 + (3.0, 2.5 or 1.5)
+    # and 3.0 + 2.5 + either 4.5, 5 of the C(7, 3) = 35 triples; the mirror (S <= 0.71) is -4.0 with a pair of 0.5,
+    # 1.5, 2.5, 3.0 summing to <= 4.71: 5 more
+    assert permutation_p([2.5, 3.0, 4.5], [-4.0, 4.5, 1.5, 0.5]) == (pytest.approx(5 / 35), pytest.approx(10 / 35))
+    assert permutation_p([-2.5, -3.0, -4.5], [4.0, -4.5, -1.5, -0.5]) == (pytest.approx(5 / 35),
+                                                                         pytest.approx(10 / 35))  # mirrored
+    assert permutation_p([1.0], [1.0, 1.0]) == (1.0, 1.0)  # nothing to tell apart
+    with pytest.raises(ValueError, match="at least one arm value and two noise values"):
+        permutation_p([1.0], [0.0])

@@ -263,6 +263,7 @@ def test_a_failed_run_stops_the_study_with_the_way_on(tmp_path: Path) -> None:
     (("warm_start_from: base", "warm_start_from: later"), "warm_start_from 'later' must name an arm listed before"),
     (("  lr:", "  lr-s1:"), "does not end in -sN"),
     (("baseline: base", "baseline: nobody"), r"'nobody' is not an arm of the study \(base, lr\)"),
+    (("baseline: base", "baseline: base, noise_floor: [again]"), r"'again' is not an arm of the study \(base, lr\)"),
     (("optim.lr: 0.001", "optim.bogus: 1"), "arm 'lr': .*bogus"),
     (("seeds: [0, 1]", "seeds: [0, 0]"), "'seeds' must be a list of distinct non-negative integers"),
 ])
@@ -297,6 +298,7 @@ def test_the_shipped_qevolve_study_reads() -> None:
     assert len(study.arms) == 14 and len(plan(study)) == 42
     order = plan(study, seeds=[2], arms=["qe-order1"])[2]  # the noise-floor arm: the same data and critic as qe
     assert {"qevolve.policy_seed=1000", "qevolve.round1_critic_from=runs/qe200/qe200-qe-s2"} <= set(order.argv)
+    assert study.compare[1].noise_floor == ["qe-order1", "qe-order2"] and "qe-order2" in study.compare[1].arms
     assert with_needs(study, ["qe-wo-gae"]) == ["bc", "qe", "qe-wo-gae"]
     wo_gae = plan(study, seeds=[1], arms=["qe-wo-gae"])[2]
     cfg = load_config(wo_gae.arm.config, [wo_gae.argv[i + 1] for i, a in enumerate(wo_gae.argv) if a == "--set"],

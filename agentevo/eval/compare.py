@@ -13,6 +13,7 @@ eval/<label>/<split>): seeds paired by index, tasks by id on the same task list 
 from __future__ import annotations
 
 import json
+import math
 import re
 import sqlite3
 import statistics
@@ -24,7 +25,7 @@ import yaml
 
 from agentevo.errors import ConfigError
 from agentevo.eval.metrics import eval_collection
-from agentevo.eval.stats import PairedResult, format_p, paired_difference
+from agentevo.eval.stats import PairedResult, format_p, paired_difference, permutation_p
 from agentevo.files import replacing, write_text_atomic
 from agentevo.train.tracking import MetricsLogger
 
@@ -106,6 +107,8 @@ class Comparison:
     sentences: list[str]
     warnings: list[str]
     text: str
+    noise_table: str = ""  # each arm's per-seed differences against the noise-floor arms' (--noise-floor)
+    noise_sentences: list[str] = field(default_factory=list)
 
 
 def _env_steps(state: dict[str, Any], label: str, result: dict[str, Any]) -> float | None:
@@ -385,6 +388,40 @@ def paired_sentence(p: Paired, base: str) -> str:
             f"({r.wins} better / {r.losses} worse over {r.n_pairs} seed pair(s) x {r.n_tasks} tasks); {verdict}.")
 
 
+def noise_floor_rows(finals: dict[str, Paired], noise: list[str], base: str) -> tuple[str, list[str]]:
+    """Every other arm's per-seed differences from the baseline against those of the noise-floor arms (the
+    baseline's method again with nothing that matters changed, e.g. another minibatch order): a table and one
+    sentence per arm, with the permutation p of the difference of means (stats.permutation_p)."""
+    draws = [x for name in noise if finals.get(name) and finals[name].result
+             for x in finals[name].result.per_pair]  # type: ignore[union-attr]
+    if len(draws) < 2:
+        return "", [f"- noise floor: {', '.join(noise)} give {len(draws)} seed pair(s) vs {base}; it needs 2 or more"]
+    sd = statistics.stdev(draws)
+    lines = ["| runs | per seed | noise draws | arm mean − noise mean | p (one-sided / two-sided) |",
+             "|---|---|---|---|---|"]
+    sentences = []
+    for name, p in finals.items():
+        if name in noise or p.result is None:
+            continue
+        per = list(p.result.per_pair)
+        one, two = permutation_p(per, draws)
+        gap = statistics.mean(per) - statistics.mean(draws)
+        lines.append(f"| {name} | {_per_seed(p.result)} | {' / '.join(f'{x:+.1f}' for x in draws)} | {gap:+.1f} | "
+                     f"{one:.3g} / {two:.3g} |")
+        smallest = 1 / math.comb(len(per) + len(draws), len(per))
+        if two < 0.05:
+            verdict = "outside the noise floor"
+        elif smallest >= 0.05:
+            verdict = (f"too few draws to tell (the smallest p these counts allow is {smallest:.2g}): run the "
+                       "noise-floor arms at more seeds")
+        else:
+            verdict = "within the noise floor: the same method with nothing that matters changed moves as far"
+        sentences.append(f"- **{name}** against the noise floor ({', '.join(noise)}: {len(draws)} differences from "
+                         f"{base}, sd {sd:.1f}): {gap:+.1f} points beyond their mean, permutation p = {two:.3g} "
+                         f"two-sided; {verdict}.")
+    return "\n".join(lines), sentences
+
+
 def plot_groups(groups: list[Group], labels: list[str], path: Path, metric: str = "success") -> None:
     """Left: the metric per evaluation point (mean ± sd); right: the metric against training env steps."""
     import matplotlib
@@ -441,9 +478,11 @@ def diagnostics_table(groups: list[Group]) -> str:
 
 
 def compare(run_dirs: list[Path], split: str, out: Path, metric: str = "success", baseline: str | None = None,
-            n_boot: int = N_BOOT, baseline_point: str | None = None) -> Comparison:
+            n_boot: int = N_BOOT, baseline_point: str | None = None,
+            noise_floor: list[str] | None = None) -> Comparison:
     """Write out/compare.md and out/compare.png: per-seed values, mean ± sd, paired differences vs the baseline arm,
-    or with `baseline_point` vs each run's own evaluation at that label."""
+    or with `baseline_point` vs each run's own evaluation at that label; with `noise_floor` (arms that repeat the
+    baseline with nothing that matters changed) each other arm's per-seed differences are read against theirs."""
     if metric not in METRICS:
         raise ConfigError(f"--metric must be one of {', '.join(METRICS)} (got {metric!r})")
     if not run_dirs:
@@ -457,6 +496,13 @@ def compare(run_dirs: list[Path], split: str, out: Path, metric: str = "success"
         raise ConfigError(f"--baseline {baseline!r} is not one of the arms ({', '.join(names)}); give an arm name "
                           "without its -sN suffix")
     base = groups[names.index(baseline)] if baseline is not None else groups[0]
+    if noise_floor and baseline_point is not None:
+        raise ConfigError("--noise-floor reads differences from another arm: give it with --baseline ARM (the method "
+                          "the noise-floor arms repeat), not --baseline-point")
+    unknown = [a for a in noise_floor or [] if a not in names]
+    if unknown:
+        raise ConfigError(f"--noise-floor {unknown[0]!r} is not one of the arms ({', '.join(names)}); give arm names "
+                          "without their -sN suffix")
     labels: list[str] = []
     for g in groups:
         labels += [label for label in g.points if label not in labels]
@@ -478,6 +524,8 @@ def compare(run_dirs: list[Path], split: str, out: Path, metric: str = "success"
     finals |= {p.arm: p for p in rows if p.result is not None}  # or the last one that could be paired
     base_name = "" if baseline_point is not None else base.name
     sentences = [paired_sentence(finals[g.name], base_name) for g in groups if g.name in finals]
+    noise_table, noise_sentences = (noise_floor_rows(finals, noise_floor, base.name) if noise_floor and rows
+                                    else ("", []))
     plot_groups(groups, labels, out / "compare.png", metric)
     runs = ", ".join(f"`{d}`" for d in run_dirs)
     test = ("exact McNemar (sign) test on the discordant tasks" if metric == "success" else
@@ -496,6 +544,12 @@ def compare(run_dirs: list[Path], split: str, out: Path, metric: str = "success"
                  f"tasks) resampling seed pairs as well (would another training seed agree; needs >= 2 pairs); "
                  f"better / worse counts (seed pair, task) cells; p from the two-sided {test}, "
                  f"pooled over seed pairs:\n\n{p_table}\n\n" + "\n".join(sentences) + "\n\n")
+    if noise_sentences:
+        text += (f"Against the noise floor ({', '.join(noise_floor or [])}: `{base.name}` again with nothing that "
+                 "matters changed; their per-seed differences from it are what training alone moves): each arm's "
+                 "per-seed differences and theirs, with the exact permutation p of the difference of means over "
+                 "every relabelling of the pooled values:\n\n"
+                 + (f"{noise_table}\n\n" if noise_table else "") + "\n".join(noise_sentences) + "\n\n")
     diag = diagnostics_table(groups)
     if diag:
         text += ("Premise diagnostics of each run (its report's tables: the worst verdict, and the rows that do not "
@@ -504,4 +558,4 @@ def compare(run_dirs: list[Path], split: str, out: Path, metric: str = "success"
     path = out / "compare.md"
     write_text_atomic(path, text)
     return Comparison(path, f"own {baseline_point}" if baseline_point is not None else base.name, table, p_table,
-                      sentences, warnings, text)
+                      sentences, warnings, text, noise_table, noise_sentences)

@@ -8,6 +8,7 @@ reward x 100). Pure functions, no I/O, so the numbers can be checked by hand.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -57,6 +58,30 @@ def sign_test_p(wins: int, losses: int) -> float:
     tail = sum(math.comb(n, k) for k in range(min(wins, losses) + 1))
     # exact integer arithmetic: 2 * tail / 2^n, capped at 1 (the two tails overlap when wins == losses)
     return min(1.0, 2 * tail / 2**n)
+
+
+def permutation_p(arm: Sequence[float], noise: Sequence[float], max_splits: int = 200_000,
+                  seed: int = 0) -> tuple[float, float]:
+    """Permutation p of mean(arm) - mean(noise): the pooled values relabelled every way (exact while the splits
+    number at most `max_splits`, else that many seeded random splits). Returns (one-sided, in the observed
+    difference's direction; two-sided). `noise` holds differences a run shows when nothing that matters changed
+    (the same method, another minibatch order): is the arm's difference outside that spread?"""
+    if not arm or len(noise) < 2:
+        raise ValueError("permutation_p needs at least one arm value and two noise values")
+    pooled = np.asarray([*arm, *noise], dtype=float)
+    k, total = len(arm), pooled.sum()
+    observed = float(np.mean(arm) - np.mean(noise))
+    n_splits = math.comb(len(pooled), k)
+    if n_splits <= max_splits:
+        picks = np.asarray(list(itertools.combinations(range(len(pooled)), k)), dtype=int)
+    else:
+        rng = np.random.default_rng(seed)
+        picks = np.stack([rng.choice(len(pooled), size=k, replace=False) for _ in range(max_splits)])
+    sums = pooled[picks].sum(axis=1)
+    diffs = sums / k - (total - sums) / (len(pooled) - k)
+    tol = 1e-9 * max(1.0, abs(observed))
+    one = np.mean(diffs >= observed - tol) if observed >= 0 else np.mean(diffs <= observed + tol)
+    return float(one), float(np.mean(np.abs(diffs) >= abs(observed) - tol))
 
 
 def _diff_matrix(diffs: Sequence[Sequence[float]]) -> np.ndarray:
