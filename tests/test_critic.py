@@ -125,7 +125,7 @@ def test_value_loss_is_the_weighted_expectile_against_min_target_q() -> None:
     # min Q̄ = [0.8, 0.0]; residuals 0.8 − 0.5 = 0.3 (weight τ) and 0.0 − 0.2 = −0.2 (weight 1 − τ)
     expected = (0.75 * 0.7 * 0.09 + 1.5 * 0.3 * 0.04) / (0.75 + 1.5)
     loss = value_loss(out, batch, tau=0.7)
-    assert float(loss) == pytest.approx(expected, rel=1e-6)
+    assert float(loss.detach()) == pytest.approx(expected, rel=1e-6)
     loss.backward()
     assert out["q"].grad is None  # the online Q heads play no part in L_V
 
@@ -138,12 +138,12 @@ def test_q_loss_uses_weighted_bellman_targets_with_v_detached() -> None:
     per_step = [sum((y[t] - q[i][t]) ** 2 for i in range(2)) for t in range(2)]
     expected = (0.75 * per_step[0] + 1.5 * per_step[1]) / 2.25
     loss = q_loss(out, batch, gamma=0.9)
-    assert float(loss) == pytest.approx(expected, rel=1e-6)
+    assert float(loss.detach()) == pytest.approx(expected, rel=1e-6)
     loss.backward()
     assert out["v"].grad is None or float(out["v"].grad.abs().sum()) == 0.0
     # unweighted (w/o W-IQL) is the plain mean over steps
     batch["weights"] = torch.ones(2)
-    assert float(q_loss(out, batch, gamma=0.9)) == pytest.approx(sum(per_step) / 2, rel=1e-6)
+    assert float(q_loss(out, batch, gamma=0.9).detach()) == pytest.approx(sum(per_step) / 2, rel=1e-6)
 
 
 def test_polyak_moves_only_the_target_heads(tiny_policy) -> None:  # noqa: ANN001
