@@ -547,8 +547,8 @@ def compare(run_dirs: list[Path], split: str, out: Path, metric: str = "success"
     if noise_sentences:
         text += (f"Against the noise floor ({', '.join(noise_floor or [])}: `{base.name}` again with nothing that "
                  "matters changed; their per-seed differences from it are what training alone moves): each arm's "
-                 "per-seed differences and theirs, with the exact permutation p of the difference of means over "
-                 "every relabelling of the pooled values:\n\n"
+                 "per-seed differences and theirs, with the permutation p of the difference of means over every "
+                 "relabelling of the pooled values (a seeded sample of 200,000 where there are more):\n\n"
                  + (f"{noise_table}\n\n" if noise_table else "") + "\n".join(noise_sentences) + "\n\n")
     diag = diagnostics_table(groups)
     if diag:

@@ -601,7 +601,8 @@ def compute_advantages(run: Run, r: int, data: Dataset, cache: dict[str, Any]) -
     raw, final = dataset_advantages(q, labels, values)
     flat = torch.tensor([a for adv in raw for a in adv])
     path = labels_path(run, r)
-    write_text_atomic(path, json.dumps({"keys": data.keys, "slots": data.slots, "adv": final, "raw": raw, "v": [v["v"] for v in values]}))
+    write_text_atomic(path, json.dumps({"keys": data.keys, "slots": data.slots, "adv": final, "raw": raw,
+                                        "v": [v["v"] for v in values]}))
     stats = {**value_stats(data, values, q.tau), **advantage_stats(data, final, flat)}
     run.logger.log(f"round-{r}/advantages", 0, stats)
     is_flagged = [s.signal != SIGNAL_NONE for t in data.trajs for s in t.steps]
