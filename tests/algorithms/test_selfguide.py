@@ -78,9 +78,11 @@ def test_continuation_logprobs_match_one_sequence_at_a_time(tiny_policy) -> None
     prompt = tiny_policy.renderer.encode_reply("You are in the kitchen.")
     conts = [tiny_policy.renderer.encode_reply(t)[:-1] for t in ("open fridge", "go west now please", "x")]
     got = continuation_logprobs(tiny_policy, prompt, conts)
-    assert continuation_logprobs(tiny_policy, prompt[:1], conts[:2]) == pytest.approx(  # a 1-token prompt: no cache
-        [sum(float(v) for v in torch.log_softmax(tiny_policy.model(torch.tensor([prompt[:1] + c])).logits[0].float(),
-                                                  -1)[range(len(c)), c]) for c in conts[:2]], abs=1e-4)
+    with torch.no_grad():
+        one_by_one = [sum(float(v) for v in torch.log_softmax(
+            tiny_policy.model(torch.tensor([prompt[:1] + c])).logits[0].float(), -1)[range(len(c)), c])
+            for c in conts[:2]]
+    assert continuation_logprobs(tiny_policy, prompt[:1], conts[:2]) == pytest.approx(one_by_one, abs=1e-4)  # no cache
     for c, g in zip(conts, got, strict=True):
         x = torch.tensor([prompt + c])
         with torch.no_grad():
