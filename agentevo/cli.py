@@ -360,7 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--noise-floor", metavar="ARM", nargs="+",
                    help="arms that repeat the baseline with nothing that matters changed (e.g. another minibatch "
                         "order, qevolve.policy_seed): each other arm's per-seed differences are read against theirs "
-                        "(exact permutation p); with --baseline")
+                        "(permutation p over relabellings of the pooled values); with --baseline")
     p.add_argument("--split", default="test")
     p.add_argument("--out", default="runs/compare", help="folder for compare.md and compare.png")
     p.add_argument("--metric", default="success", choices=list(METRICS),
