@@ -295,7 +295,7 @@ def test_the_shipped_stall_probe_study_reads() -> None:
 
 def test_the_shipped_qevolve_study_reads() -> None:
     study = load_study("configs/study/qevolve_cookingworld.study.yaml")  # every arm's config built and validated
-    assert len(study.arms) == 14 and len(plan(study)) == 42
+    assert len(study.arms) == 17 and len(plan(study)) == 51
     order = plan(study, seeds=[2], arms=["qe-order1"])[2]  # the noise-floor arm: the same data and critic as qe
     assert {"qevolve.policy_seed=1000", "qevolve.round1_critic_from=runs/qe200/qe200-qe-s2"} <= set(order.argv)
     assert study.compare[1].noise_floor == ["qe-order1", "qe-order2"] and "qe-order2" in study.compare[1].arms
@@ -306,5 +306,10 @@ def test_the_shipped_qevolve_study_reads() -> None:
     assert (cfg.seed, cfg.qevolve.pr, cfg.qevolve.n_iters) == (1, "q_minus_v", 1)
     assert (cfg.qevolve.round1_data_from, cfg.bc.warm_start_from) == ("runs/qe200/qe200-qe-s1", "runs/qe200/qe200-bc-s1")
     assert cfg.qevolve.round1_critic_from == "runs/qe200/qe200-qe-s1"  # an ablation after the critic reuses it
+    control = plan(study, seeds=[0], arms=["bon-demos-long"])[1]  # BoN + SFT's continued-BC control
+    cfg = load_config(control.arm.config, [control.argv[i + 1] for i, a in enumerate(control.argv) if a == "--set"],
+                      method=control.arm.method)
+    assert (cfg.rsd.bon_with_wins, cfg.rsd.bon_with_expert, cfg.rsd.bon_rounds, cfg.optim.epochs) == (False, True, 1, 9)
+    assert cfg.bc.warm_start_from == "runs/qe200/qe200-bc-s0" and study.compare[3].baseline == "bon-demos"
     wo_rr = plan(study, seeds=[1], arms=["qe-wo-rr"])[2]
     assert not any("round1_critic_from" in a for a in wo_rr.argv)  # w/o RR changes the critic: it fits its own

@@ -441,6 +441,11 @@ def test_config_validation_messages() -> None:
         _rsd(rule_search="frontier")
     with pytest.raises(ConfigError, match="teacher"):
         _rsd(teacher="latest")
+    with pytest.raises(ConfigError, match=r"^rsd.bon_with_wins=false .* needs rsd.bon_with_expert=true \(got false\)"):
+        _rsd(bon_with_wins=False)
+    with pytest.raises(ConfigError, match=r"and rsd.bon_rounds=1 \(got 2\): no round changes the demos$"):
+        _rsd(bon_with_wins=False, bon_with_expert=True, bon_rounds=2)
+    _rsd(bon_with_wins=False, bon_with_expert=True)  # the continued-BC control
 
 
 def test_sample_tasks_stratified() -> None:

@@ -175,7 +175,21 @@ def test_bon_sft_practises_on_new_tasks_and_keeps_the_demos(tmp_path) -> None:  
         finally:
             run.close()
 
-    plain, iterated = sft_with_demos_as_kept("p", False), sft_with_demos_as_kept("e", True)
+    def demos_alone() -> dict:
+        """The continued-BC control (rsd.bon_with_wins=false): no practice, the demos' rows alone."""
+        run = make("c", [*practise, "bc.n_expert=3", "rsd.bon_with_expert=true", "rsd.bon_with_wins=false"])
+        try:
+            out = bon_sft.run(run)
+            assert "bon/collect" not in out and not run.store.load(collection="bon/samples")
+            assert (run.dir / "checkpoints/bon-sft/model.safetensors").exists() and "eval/bon-sft" in out
+            return out["bon-sft"]
+        finally:
+            run.close()
+
+    plain, iterated, control = (sft_with_demos_as_kept("p", False), sft_with_demos_as_kept("e", True),
+                                demos_alone())
+    assert control["trajectories"] == 0 and control["expert_trajectories"] == 3
+    assert control["samples"] == iterated["demo_rows"] > 0
     assert plain["expert_trajectories"] == 0 and iterated["expert_trajectories"] == 3
     assert plain["trajectories"] == plain["kept"] and iterated["trajectories"] == iterated["kept"]
     # same seed, same BC: the same samples are kept, and the demos add exactly their own rows

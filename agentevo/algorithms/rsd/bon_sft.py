@@ -7,6 +7,9 @@
 4. evaluate greedily without context;
 5. with rsd.bon_rounds > 1, the latest round's policy samples the next round's tasks (a fresh draw) and each
    round's SFT, again from the base, trains on every round's kept samples so far (expert iteration) [O].
+
+With rsd.bon_with_wins false, step 1 is skipped and step 3 trains on the demos alone (the continued-BC control:
+the same fine-tune without the practice) [O].
 """
 
 from __future__ import annotations
@@ -70,15 +73,17 @@ def run(run: Run) -> dict[str, Any]:
             return {**summarize(trajs), "tasks": len(tasks), f"pass@{rsd.bon_n}": premise["pass_at_n"],
                     "actor": actor_checkpoint}
 
-        results[collect_phase] = run.phase(collect_phase, collect)
+        if rsd.bon_with_wins:
+            results[collect_phase] = run.phase(collect_phase, collect)
 
         def sft(r: int = r, checkpoint: str = checkpoint) -> dict[str, Any]:
-            kept = [t for k in range(1, r + 1) for t in run.store.load(collection=round_names(k)[1], success=True)]
-            if not kept:
-                return {"samples": 0, "skipped": "no successful sample"}
+            kept = [t for k in range(1, r + 1) for t in run.store.load(collection=round_names(k)[1], success=True)
+                    ] if rsd.bon_with_wins else []
+            demos = [t for t in run.store.load(collection="expert") if t.success] if rsd.bon_with_expert else []
+            if not (kept if rsd.bon_with_wins else demos):
+                return {"samples": 0, "skipped": "no successful sample" if rsd.bon_with_wins else "no successful demo"}
             policy = run.load_policy(base)
             window, max_length = cfg.agent.history_window, cfg.optim.max_length
-            demos = [t for t in run.store.load(collection="expert") if t.success] if rsd.bon_with_expert else []
             # kept samples carry the ids they were generated with; only the demos' text replies get tokenized
             samples = expert_samples(policy, [*demos, *kept], window, max_length)
             stats = finetune(run, policy, samples, nll_loss, checkpoint)

@@ -106,6 +106,10 @@ class RSDConfig:
                              "every round's kept samples [O: 1]", 1, ge=1)
     bon_with_expert: bool = option("BoN: SFT on the expert demos plus the kept samples, from the base, instead of the "
                                    "kept samples alone (expert iteration / ReST: keeps what BC taught) [O: false]", False)
+    bon_with_wins: bool = option("BoN: fine-tune on the kept samples; false plays no episodes and fine-tunes the base "
+                                 "on the expert demos alone with the same schedule (needs bon_with_expert and one "
+                                 "round): the control that says what the extra fine-tune gives without practice "
+                                 "[O: true]", True)
     reflexion_attempts: int = option("Reflexion: attempts per task [S: 3]", 3, ge=1)
     gt_epochs: float | None = option("GT-SFT epochs (null = optim.epochs, the SFT recipe's) [O]", None, gt=0)
 
@@ -159,6 +163,10 @@ class RSDConfig:
             raise ConfigError("rsd.ctx_warm_steps must be >= 1 and rsd.ctx_warm_epochs > 0")
         if self.bon_n < 1 or self.reflexion_attempts < 1 or self.bon_rounds < 1:
             raise ConfigError("rsd.bon_n, rsd.bon_rounds and rsd.reflexion_attempts must be >= 1")
+        if not self.bon_with_wins and (not self.bon_with_expert or self.bon_rounds != 1):
+            raise ConfigError("rsd.bon_with_wins=false fine-tunes on the expert demos alone, which needs "
+                              f"rsd.bon_with_expert=true (got {str(self.bon_with_expert).lower()}) and "
+                              f"rsd.bon_rounds=1 (got {self.bon_rounds}): no round changes the demos")
         if self.future_max_steps is not None and self.future_max_steps < 1:
             raise ConfigError("rsd.future_max_steps must be >= 1 or null")
         if self.ctx_max_tokens is not None and self.ctx_max_tokens < 1:
