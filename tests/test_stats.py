@@ -104,5 +104,11 @@ def test_permutation_p_counts_every_split_by_hand() -> None:
     assert permutation_p([-2.5, -3.0, -4.5], [4.0, -4.5, -1.5, -0.5]) == (pytest.approx(5 / 35),
                                                                          pytest.approx(10 / 35))  # mirrored
     assert permutation_p([1.0], [1.0, 1.0]) == (1.0, 1.0)  # nothing to tell apart
+    # past max_splits the splits are a seeded sample: reproducible, and near the exact count (C(20, 5) = 15,504)
+    arm, noise = [3.0, 2.5, 4.0, 1.0, 3.5], [float(x) for x in (-3, 2, 0.5, 1, -1, 4, -2, 0, 1.5, -0.5, 2, -4, 1, 0, 3)]
+    exact = permutation_p(arm, noise)
+    sampled = permutation_p(arm, noise, max_splits=10_000)
+    assert sampled == permutation_p(arm, noise, max_splits=10_000) != permutation_p(arm, noise, 10_000, seed=1)
+    assert 0.01 < exact[1] < 0.2 and sampled == (pytest.approx(exact[0], abs=0.01), pytest.approx(exact[1], abs=0.01))
     with pytest.raises(ValueError, match="at least one arm value and two noise values"):
         permutation_p([1.0], [0.0])

@@ -75,8 +75,8 @@ def permutation_p(arm: Sequence[float], noise: Sequence[float], max_splits: int 
     if n_splits <= max_splits:
         picks = np.asarray(list(itertools.combinations(range(len(pooled)), k)), dtype=int)
     else:
-        rng = np.random.default_rng(seed)
-        picks = np.stack([rng.choice(len(pooled), size=k, replace=False) for _ in range(max_splits)])
+        # each row's k smallest of n uniform keys: a uniform random k-subset, drawn for all rows at once
+        picks = np.argsort(np.random.default_rng(seed).random((max_splits, len(pooled))), axis=1)[:, :k]
     sums = pooled[picks].sum(axis=1)
     diffs = sums / k - (total - sums) / (len(pooled) - k)
     tol = 1e-9 * max(1.0, abs(observed))
