@@ -295,7 +295,7 @@ def test_the_shipped_stall_probe_study_reads() -> None:
 
 def test_the_shipped_qevolve_study_reads() -> None:
     study = load_study("configs/study/qevolve_cookingworld.study.yaml")  # every arm's config built and validated
-    assert len(study.arms) == 17 and len(plan(study)) == 51
+    assert len(study.arms) == 19 and len(plan(study)) == 57
     order = plan(study, seeds=[2], arms=["qe-order1"])[2]  # the noise-floor arm: the same data and critic as qe
     assert {"qevolve.policy_seed=1000", "qevolve.round1_critic_from=runs/qe200/qe200-qe-s2"} <= set(order.argv)
     assert study.compare[1].noise_floor == ["qe-order1", "qe-order2"] and "qe-order2" in study.compare[1].arms
@@ -310,6 +310,6 @@ def test_the_shipped_qevolve_study_reads() -> None:
     cfg = load_config(control.arm.config, [control.argv[i + 1] for i, a in enumerate(control.argv) if a == "--set"],
                       method=control.arm.method)
     assert (cfg.rsd.bon_with_wins, cfg.rsd.bon_with_expert, cfg.rsd.bon_rounds, cfg.optim.epochs) == (False, True, 1, 9)
-    assert cfg.bc.warm_start_from == "runs/qe200/qe200-bc-s0" and study.compare[3].baseline == "bon-demos"
+    assert cfg.bc.warm_start_from == "runs/qe200/qe200-bc-s0" and study.compare[3].baseline == "bon-demos-long"
     wo_rr = plan(study, seeds=[1], arms=["qe-wo-rr"])[2]
     assert not any("round1_critic_from" in a for a in wo_rr.argv)  # w/o RR changes the critic: it fits its own
