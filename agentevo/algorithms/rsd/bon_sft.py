@@ -77,8 +77,8 @@ def run(run: Run) -> dict[str, Any]:
             results[collect_phase] = run.phase(collect_phase, collect)
 
         def sft(r: int = r, checkpoint: str = checkpoint) -> dict[str, Any]:
-            kept = [t for k in range(1, r + 1) for t in run.store.load(collection=round_names(k)[1], success=True)
-                    ] if rsd.bon_with_wins else []
+            kept = ([t for k in range(1, r + 1) for t in run.store.load(collection=round_names(k)[1], success=True)]
+                    if rsd.bon_with_wins else [])
             demos = [t for t in run.store.load(collection="expert") if t.success] if rsd.bon_with_expert else []
             if not (kept if rsd.bon_with_wins else demos):
                 return {"samples": 0, "skipped": "no successful sample" if rsd.bon_with_wins else "no successful demo"}
