@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from agentevo.cli import main
-from agentevo.config import dump_config, load_config
+from agentevo.config import RunConfig, dump_config, load_config
 from agentevo.data.store import ExperienceStore
 from agentevo.data.types import Trajectory
 from agentevo.envs.base import Task
 from agentevo.errors import ConfigError
 from agentevo.eval.metrics import eval_collection
-from agentevo.study import load_study, plan, run_status, run_study, with_needs
+from agentevo.study import PlannedRun, load_study, plan, run_status, run_study, with_needs
 
 STUDY = """
 name: st
@@ -38,6 +38,16 @@ def _study(tmp_path: Path, text: str = STUDY, **fmt: str) -> Path:
     return path
 
 
+def _sets(argv: list[str]) -> list[str]:
+    """The --set overrides of a planned command line, in order."""
+    return [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+
+
+def _planned_config(r: PlannedRun) -> RunConfig:
+    """The config a planned run's `agentevo train` command line builds."""
+    return load_config(r.arm.config, _sets(r.argv), method=r.arm.method)
+
+
 def _fake_train(out: Path, wins: dict[str, list[int]]) -> tuple[list[list[str]], object]:
     """A stand-in for `agentevo train/resume`: writes a finished run whose bc evaluation wins the given tasks."""
     calls: list[list[str]] = []
@@ -48,7 +58,7 @@ def _fake_train(out: Path, wins: dict[str, list[int]]) -> tuple[list[list[str]],
         run = out / name
         run.mkdir(parents=True, exist_ok=True)
         if argv[0] == "train":  # the config `agentevo train` would write
-            sets = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+            sets = _sets(argv)
             base = argv[argv.index("--config") + 1] if "--config" in argv else None
             (run / "config.yaml").write_text(dump_config(load_config(base, sets, method=argv[1], name=name,
                                                                      output_dir=str(out))))
@@ -73,8 +83,7 @@ def test_plan_orders_runs_and_names_their_commands(tmp_path: Path) -> None:
     lr1 = runs[3].argv
     assert lr1[:2] == ["train", "bc"] and lr1[-5:] == ["--name", "st-lr-s1", "--output-dir", str(tmp_path / "runs"),
                                                        "--quiet"]
-    sets = [lr1[i + 1] for i, a in enumerate(lr1) if a == "--set"]
-    assert sets == ["env.name=probe-copy", "env.n_test=4", "eval.splits=[test]", "optim.lr=0.001", "seed=1",
+    assert _sets(lr1) == ["env.name=probe-copy", "env.n_test=4", "eval.splits=[test]", "optim.lr=0.001", "seed=1",
                     f"bc.warm_start_from={tmp_path / 'runs' / 'st-base-s1'}"]
     assert [r.name for r in plan(study, seeds=[1])] == ["st-base-s1", "st-lr-s1"]
     with pytest.raises(ConfigError, match="--seed 5 is not a seed of study st"):
@@ -301,14 +310,12 @@ def test_the_shipped_qevolve_study_reads() -> None:
     assert study.compare[1].noise_floor == ["qe-order1", "qe-order2"] and "qe-order2" in study.compare[1].arms
     assert with_needs(study, ["qe-wo-gae"]) == ["bc", "qe", "qe-wo-gae"]
     wo_gae = plan(study, seeds=[1], arms=["qe-wo-gae"])[2]
-    cfg = load_config(wo_gae.arm.config, [wo_gae.argv[i + 1] for i, a in enumerate(wo_gae.argv) if a == "--set"],
-                      method=wo_gae.arm.method)
+    cfg = _planned_config(wo_gae)
     assert (cfg.seed, cfg.qevolve.pr, cfg.qevolve.n_iters) == (1, "q_minus_v", 1)
     assert (cfg.qevolve.round1_data_from, cfg.bc.warm_start_from) == ("runs/qe200/qe200-qe-s1", "runs/qe200/qe200-bc-s1")
     assert cfg.qevolve.round1_critic_from == "runs/qe200/qe200-qe-s1"  # an ablation after the critic reuses it
     control = plan(study, seeds=[0], arms=["bon-demos-long"])[1]  # BoN + SFT's continued-BC control
-    cfg = load_config(control.arm.config, [control.argv[i + 1] for i, a in enumerate(control.argv) if a == "--set"],
-                      method=control.arm.method)
+    cfg = _planned_config(control)
     assert (cfg.rsd.bon_with_wins, cfg.rsd.bon_with_expert, cfg.rsd.bon_rounds, cfg.optim.epochs) == (False, True, 1, 9)
     assert cfg.bc.warm_start_from == "runs/qe200/qe200-bc-s0" and study.compare[3].baseline == "bon-demos-long"
     wo_rr = plan(study, seeds=[1], arms=["qe-wo-rr"])[2]

@@ -392,8 +392,7 @@ def noise_floor_rows(finals: dict[str, Paired], noise: list[str], base: str) -> 
     """Every other arm's per-seed differences from the baseline against those of the noise-floor arms (the
     baseline's method again with nothing that matters changed, e.g. another minibatch order): a table and one
     sentence per arm, with the permutation p of the difference of means (stats.permutation_p)."""
-    draws = [x for name in noise if finals.get(name) and finals[name].result
-             for x in finals[name].result.per_pair]  # type: ignore[union-attr]
+    draws = [x for name in noise if (floor := finals.get(name)) and floor.result for x in floor.result.per_pair]
     if len(draws) < 2:
         return "", [f"- noise floor: {', '.join(noise)} give {len(draws)} seed pair(s) vs {base}; it needs 2 or more"]
     sd = statistics.stdev(draws)
