@@ -259,6 +259,10 @@ class BCConfig:
     warm_start_from: str | None = _help(
         "an earlier run folder whose expert demos, init/bc checkpoints and their evaluations this run starts from "
         "(same env and agent settings; lets every method of a study share one BC model)", None)
+    warm_start_checkpoint: str = _help(
+        "which checkpoint of the warm_start_from run becomes this run's BC start (its checkpoints/NAME; e.g. "
+        "bon-sft to start from a run that continued BC on the demos); any other than bc is evaluated again here",
+        "bc")
 
 
 @dataclass

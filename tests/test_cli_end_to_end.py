@@ -109,6 +109,23 @@ def _check_warm_start_from(tmp_path: Path, env: dict[str, str]) -> None:
     assert state["warm_start_from"]["reevaluated"] == "env.n_test 6 -> 8"
     assert state["eval/bc"]["test"]["n"] == 8 and state["bc"] == source["bc"]
     assert len(_rewards(tmp_path / "m" / "experience.db", "eval/bc/test")) == 8
+    # another of the source's checkpoints as the start (here its init): copied as bc and evaluated again here, so
+    # its greedy evaluation repeats the source's evaluation of that checkpoint episode for episode
+    other = subprocess.run([*base, "--name", "c", "--set", "bc.warm_start_checkpoint=init"], env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert other.returncode == 0, other.stderr
+    state = json.loads((tmp_path / "c" / "state.json").read_text())
+    assert state["warm_start_from"]["checkpoint"] == "init" and "reevaluated" not in state["warm_start_from"]
+    assert state["bc"] == {"checkpoint": "init", "from": str(tmp_path / "r"), **source["init"]}  # its phase result
+    ckpt = "checkpoints/{}/model.safetensors"
+    assert (tmp_path / "c" / ckpt.format("bc")).read_bytes() == (tmp_path / "r" / ckpt.format("init")).read_bytes()
+    assert state["eval/bc"]["test"] == source["eval/init"]["test"] and state["eval/init"] == source["eval/init"]
+    assert _rewards(tmp_path / "c" / "experience.db", "eval/bc/test") == _rewards(tmp_path / "r" / "experience.db",
+                                                                                  "eval/init/test")
+    missing = subprocess.run([*base, "--name", "d", "--set", "bc.warm_start_checkpoint=bon-sft"], env=env,
+                             capture_output=True, text=True, timeout=300)
+    assert missing.returncode != 0 and "Traceback" not in missing.stderr
+    assert f"bc.warm_start_checkpoint: '{tmp_path / 'r'}' has no checkpoint 'bon-sft'; it has bc, init" in missing.stderr
 
 
 def test_checkpoint_loads_with_plain_transformers(tmp_path) -> None:  # noqa: ANN001

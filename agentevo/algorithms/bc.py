@@ -141,7 +141,8 @@ def import_warm_start(run: Run, source: Path, collection: str = "expert",
     the BC run's n_train (the same demos; the other training tasks are new ones to practise on), and env.n_dev / env.n_test may
     differ (the imported checkpoints are then evaluated again here, on this run's task lists). A recipe with its own warm start
     names its demo collection, phases (phases[0] is the collection's) and checkpoints, and `also_equal` the settings
-    of other config sections that shape it."""
+    of other config sections that shape it. bc.warm_start_checkpoint takes another of the source's checkpoints as
+    this run's BC (e.g. bon-sft: BC continued on the demos); it is then evaluated again here."""
     state_path, config_path = source / "state.json", source / "config.yaml"
     if not state_path.exists() or not config_path.exists():
         raise ConfigError(f"bc.warm_start_from: {str(source)!r} is not a run folder; give runs/NAME of a BC run")
@@ -152,6 +153,11 @@ def import_warm_start(run: Run, source: Path, collection: str = "expert",
                           f"finish it with `agentevo resume {source}`")
     theirs = with_defaults(yaml.safe_load(config_path.read_text()))  # settings it predates count as their defaults
     ours = yaml.safe_load((run.dir / "config.yaml").read_text())
+    start = run.cfg.bc.warm_start_checkpoint
+    if start != "bc" and not (source / "checkpoints" / start / "config.json").exists():
+        have = sorted(p.name for p in (source / "checkpoints").glob("*") if (p / "config.json").exists())
+        raise ConfigError(f"bc.warm_start_checkpoint: {str(source)!r} has no checkpoint {start!r}; "
+                          f"it has {', '.join(have) or 'none'}")
     checks = [("env", None), ("agent", None), ("model", ("path", "tiny", "gguf_file")), *(also_equal or {}).items()]
     resized: list[str] = []  # evaluation split sizes that differ: the imported evaluations are redone here
     for section, keys in checks:
@@ -170,6 +176,7 @@ def import_warm_start(run: Run, source: Path, collection: str = "expert",
             if a.get(key) != b.get(key):
                 raise ConfigError(f"bc.warm_start_from: {section}.{key} is {a.get(key)!r} here but "
                                   f"{b.get(key)!r} in {str(source)!r}; use the same setting or another BC run")
+    redo = "eval/bc" if start != "bc" else None  # the source evaluated its BC, not the checkpoint taken instead
     src_store = ExperienceStore(source / "experience.db")
     try:
         experts = src_store.load(collection=collection)
@@ -177,19 +184,24 @@ def import_warm_start(run: Run, source: Path, collection: str = "expert",
         experts = [t for t in experts if t.task.task_id in train_ids]
         run.store.add_missing(collection, enumerate(experts))
         if not resized:
-            _copy_evaluations(src_store, run.store, [p for p in phases[1:] if p.startswith("eval/")])
+            _copy_evaluations(src_store, run.store, [p for p in phases[1:] if p.startswith("eval/") and p != redo])
     finally:
         src_store.close()
     for name in checkpoints:
         target = run.checkpoint_dir(name)
         if target.exists():
             shutil.rmtree(target)
-        shutil.copytree(source / "checkpoints" / name, target)
+        shutil.copytree(source / "checkpoints" / (start if name == "bc" else name), target)
     run.state.setdefault(phases[0], {**_expert_stats(experts), "imported_from": str(source)})
     for phase in phases[1:]:
-        if not (resized and phase.startswith("eval/")):
+        if phase == "bc" and start != "bc":
+            run.state.setdefault(phase, {"checkpoint": start, "from": str(source),
+                                         **(state[start] if isinstance(state.get(start), dict) else {})})
+        elif not ((resized and phase.startswith("eval/")) or phase == redo):
             run.state.setdefault(phase, state[phase])
     out: dict[str, Any] = {"source": str(source), "expert": len(experts)}
+    if start != "bc":
+        out["checkpoint"] = start
     if resized:
         out["reevaluated"] = ", ".join(resized)
     return out
