@@ -304,7 +304,7 @@ def test_the_shipped_stall_probe_study_reads() -> None:
 
 def test_the_shipped_qevolve_study_reads() -> None:
     study = load_study("configs/study/qevolve_cookingworld.study.yaml")  # every arm's config built and validated
-    assert len(study.arms) == 22 and len(plan(study)) == 66
+    assert len(study.arms) == 25 and len(plan(study)) == 75
     order = plan(study, seeds=[2], arms=["qe-order1"])[2]  # the noise-floor arm: the same data and critic as qe
     assert {"qevolve.policy_seed=1000", "qevolve.round1_critic_from=runs/qe200/qe200-qe-s2"} <= set(order.argv)
     assert study.compare[1].noise_floor == ["qe-order1", "qe-order2"] and "qe-order2" in study.compare[1].arms
@@ -322,5 +322,8 @@ def test_the_shipped_qevolve_study_reads() -> None:
     assert [r.name for r in long_qe] == ["qe200-bc-s2", "qe200-bon2-demos-long-s2", "qe200-long-qe-s2"]
     cfg = _planned_config(long_qe[2])
     assert (cfg.bc.warm_start_from, cfg.bc.warm_start_checkpoint) == ("runs/qe200/qe200-bon2-demos-long-s2", "bon-sft")
+    again, e30 = (_planned_config(r) for r in plan(study, seeds=[0], arms=["bc200", "bc-e30"])[1:])
+    assert (e30.optim.epochs, e30.env.n_test, e30.bc.warm_start_from) == (30, 200, None)  # BC from scratch
+    assert (again.optim.epochs, again.env.n_test, again.bc.warm_start_from) == (12, 200, "runs/qe200/qe200-bc-s0")
     wo_rr = plan(study, seeds=[1], arms=["qe-wo-rr"])[2]
     assert not any("round1_critic_from" in a for a in wo_rr.argv)  # w/o RR changes the critic: it fits its own
