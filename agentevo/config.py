@@ -264,6 +264,11 @@ class BCConfig:
         "bon-sft to start from a run that continued BC on the demos); any other than bc is evaluated again here",
         "bc")
 
+    def validate(self) -> None:
+        if self.warm_start_checkpoint != "bc" and not self.warm_start_from:
+            raise ConfigError(f"bc.warm_start_checkpoint is {self.warm_start_checkpoint!r} but bc.warm_start_from "
+                              "is not set; name the run it is a checkpoint of (bc.warm_start_from=runs/NAME)")
+
 
 @dataclass
 class TrackingConfig:

@@ -64,6 +64,7 @@ def test_every_numeric_field_has_a_range() -> None:
     ("rollout.max_retries=-1", "rollout.max_retries must be >= 0 (got -1)"),
     ("eval.splits=[]", "eval.splits must name at least one of train, dev, test (got [])"),
     ("eval.splits=[val]", "eval.splits: unknown split 'val'"),
+    ("bc.warm_start_checkpoint=bon-sft", "bc.warm_start_checkpoint is 'bon-sft' but bc.warm_start_from is not set"),
     ("seed=-1", "seed must be in [0, 4294967295] (got -1)"),
     ("model.http.timeout_s=0", "model.http.timeout_s must be in (0, 3600] (got 0.0)"),
     ("model.http.retries=-1", "model.http.retries must be in [0, 20] (got -1)"),

@@ -195,8 +195,8 @@ def import_warm_start(run: Run, source: Path, collection: str = "expert",
     run.state.setdefault(phases[0], {**_expert_stats(experts), "imported_from": str(source)})
     for phase in phases[1:]:
         if phase == "bc" and start != "bc":
-            run.state.setdefault(phase, {"checkpoint": start, "from": str(source),
-                                         **(state[start] if isinstance(state.get(start), dict) else {})})
+            took = state[start] if isinstance(state.get(start), dict) else {}  # its phase result, when it has one
+            run.state.setdefault(phase, {**took, "checkpoint": start, "from": str(source)})
         elif not ((resized and phase.startswith("eval/")) or phase == redo):
             run.state.setdefault(phase, state[phase])
     out: dict[str, Any] = {"source": str(source), "expert": len(experts)}
