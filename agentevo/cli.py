@@ -202,7 +202,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from agentevo.eval.compare import compare
 
     result = compare([Path(d) for d in args.run_dirs], args.split, Path(args.out), args.metric, args.baseline,
-                     baseline_point=args.baseline_point, noise_floor=args.noise_floor)
+                     baseline_point=args.baseline_point, noise_floor=args.noise_floor, baseline_at=args.baseline_at)
     for warning in result.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     print(result.table)
@@ -357,6 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline-point", metavar="LABEL",
                    help="instead of another arm, pair each run with its own evaluation at LABEL (e.g. bc: the start "
                         "it evolved from), so no separate baseline runs are needed")
+    p.add_argument("--baseline-at", metavar="LABEL",
+                   help="the baseline arm's evaluation to pair with, instead of its last (e.g. bon-sft of a control "
+                        "matched to another arm's round 2, bon-sft-2); with --baseline")
     p.add_argument("--noise-floor", metavar="ARM", nargs="+",
                    help="arms that repeat the baseline with nothing that matters changed (e.g. another minibatch "
                         "order, qevolve.policy_seed): each other arm's per-seed differences are read against theirs "

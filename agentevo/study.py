@@ -61,7 +61,7 @@ from agentevo.run import FINISHED
 
 STUDY_KEYS = ("name", "output_dir", "seeds", "order", "method", "config", "set", "arms", "archive", "compare")
 ARM_KEYS = ("method", "config", "set", "warm_start_from")
-COMPARE_KEYS = ("arms", "baseline", "baseline_point", "noise_floor", "split", "metric", "out")
+COMPARE_KEYS = ("arms", "baseline", "baseline_at", "baseline_point", "noise_floor", "split", "metric", "out")
 _ARM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 _RUN_REF = re.compile(r"\{run:([^}]*)\}")  # {run:ARM}: that arm's run folder, same seed
 
@@ -90,6 +90,7 @@ class Comparison:
     split: str = "test"
     metric: str = "success"
     noise_floor: list[str] | None = None
+    baseline_at: str | None = None
 
 
 @dataclass
@@ -206,9 +207,12 @@ def load_study(path: str | Path, check_configs: bool = True) -> Study:
                                *(raw.get("noise_floor") or [])] if a not in [x.name for x in arms]]
         if missing:
             raise ConfigError(f"{c_where}: {missing[0]!r} is not an arm of the study ({', '.join(a.name for a in arms)})")
+        if raw.get("baseline_at") and not raw.get("baseline"):
+            raise ConfigError(f"{c_where}: baseline_at names an evaluation of the baseline arm; give baseline: ARM too")
         names = [*names, *(a for a in raw.get("noise_floor") or [] if a not in names)]  # their runs are read too
         compares.append(Comparison(list(names), Path(raw["out"]), raw.get("baseline"), raw.get("baseline_point"),
-                                   raw.get("split", "test"), raw.get("metric", "success"), raw.get("noise_floor")))
+                                   raw.get("split", "test"), raw.get("metric", "success"), raw.get("noise_floor"),
+                                   raw.get("baseline_at")))
     study = Study(path, name, Path(data.get("output_dir") or "runs"), seeds, order, data.get("config"), arms,
                   Path(data["archive"]) if data.get("archive") else None, compares)
     if check_configs:
@@ -498,7 +502,7 @@ def run_study(study: Study, dry_run: bool = False, quiet: bool = True, echo: Cal
         baseline = arm_group(study, c.baseline) if c.baseline else None
         noise = [arm_group(study, a) for a in c.noise_floor] if c.noise_floor else None
         result = compare(dirs, c.split, c.out, c.metric, baseline, baseline_point=c.baseline_point,
-                         noise_floor=noise)
+                         noise_floor=noise, baseline_at=c.baseline_at)
         echo(f"compare -> {result.path}")
         for line in [*result.sentences, *result.noise_sentences]:
             echo(line)

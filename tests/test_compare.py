@@ -360,6 +360,29 @@ def test_a_later_point_is_not_read_against_an_earlier_one_of_the_same_series(tmp
     assert rows[2].startswith("| sg | update-6 vs bc | 1 | 4 | +75.0 |")
 
 
+def test_baseline_at_pairs_with_a_chosen_point_of_the_baseline(tmp_path: Path) -> None:
+    # a control matched to the arm's round 2 has one evaluation, bon-sft: --baseline-at pairs the arm's bon-sft-2
+    # with it (chosen, so the same-series guard stands aside); the arm's bon-sft still pairs label with label
+    control = _run(tmp_path, "ctl-s0", {"bc": 0.0, "bon-sft": 0.75}, env="twx", task_hash="h",
+                   outcomes={"bc": [0, 0, 0, 0], "bon-sft": [1, 1, 1, 0]})
+    arm = _run(tmp_path, "bon-s0", {"bc": 0.0, "bon-sft": 0.25, "bon-sft-2": 0.5}, env="twx", task_hash="h",
+               outcomes={"bc": [0, 0, 0, 0], "bon-sft": [1, 0, 0, 0], "bon-sft-2": [1, 1, 0, 0]})
+    result = compare([control, arm], "test", tmp_path / "out", baseline="ctl", baseline_at="bon-sft")
+    rows = result.paired_table.splitlines()[2:]
+    assert [r.split(" | ")[1] for r in rows] == ["bc", "bon-sft", "bon-sft-2 vs bon-sft"]
+    assert rows[1].startswith("| bon | bon-sft | 1 | 4 | -50.0 |") and rows[2].startswith(
+        "| bon | bon-sft-2 vs bon-sft | 1 | 4 | -25.0 | -25.0 |")  # 0 better / 1 worse
+    assert result.sentences[0].startswith("- **bon** (bon-sft-2; ctl at bon-sft): difference vs ctl: -25.0 points")
+    assert "Paired differences vs `ctl` at `bon-sft` (arm − baseline" in result.text and result.baseline == "ctl at bon-sft"
+    without = compare([control, arm], "test", tmp_path / "o2", baseline="ctl").paired_table
+    assert "not paired: the baseline has no bon-sft-2" in without  # the default refuses that pair
+    with pytest.raises(ConfigError, match=r"--baseline-at 'round-1': the baseline ctl has no evaluation with that "
+                                          r"label; give one of bc, bon-sft$"):
+        compare([control, arm], "test", tmp_path / "o3", baseline="ctl", baseline_at="round-1")
+    with pytest.raises(ConfigError, match="--baseline-at names a point of the baseline arm; it goes with --baseline"):
+        compare([control, arm], "test", tmp_path / "o4", baseline_point="bc", baseline_at="bon-sft")
+
+
 def test_premise_diagnostics_of_each_run_sit_beside_the_differences(tmp_path: Path) -> None:
     """compare.md lists each run's diagnostics tables with the worst verdict and the rows that do not pass."""
     a = _run(tmp_path, "g-s0", {"bc": 0.5, "update-1": 1.0}, outcomes={"bc": [1, 0], "update-1": [1, 1]})

@@ -273,6 +273,8 @@ def test_a_failed_run_stops_the_study_with_the_way_on(tmp_path: Path) -> None:
     (("  lr:", "  lr-s1:"), "does not end in -sN"),
     (("baseline: base", "baseline: nobody"), r"'nobody' is not an arm of the study \(base, lr\)"),
     (("baseline: base", "baseline: base, noise_floor: [again]"), r"'again' is not an arm of the study \(base, lr\)"),
+    (("baseline: base", "baseline_at: bc"), "compare #1: baseline_at names an evaluation of the baseline arm; give "
+                                             "baseline: ARM too"),
     (("optim.lr: 0.001", "optim.bogus: 1"), "arm 'lr': .*bogus"),
     (("seeds: [0, 1]", "seeds: [0, 0]"), "'seeds' must be a list of distinct non-negative integers"),
 ])
@@ -318,6 +320,7 @@ def test_the_shipped_qevolve_study_reads() -> None:
     cfg = _planned_config(control)
     assert (cfg.rsd.bon_with_wins, cfg.rsd.bon_with_expert, cfg.rsd.bon_rounds, cfg.optim.epochs) == (False, True, 1, 9)
     assert cfg.bc.warm_start_from == "runs/qe200/qe200-bc-s0" and study.compare[3].baseline == "bon-demos-long"
+    assert (study.compare[4].baseline, study.compare[4].baseline_at) == ("bon2-demos-long", "bon-sft")  # vs round 2
     long_qe = plan(study, seeds=[2], arms=["long-qe"])  # Q-Evolve from the continued BC's checkpoint
     assert [r.name for r in long_qe] == ["qe200-bc-s2", "qe200-bon2-demos-long-s2", "qe200-long-qe-s2"]
     cfg = _planned_config(long_qe[2])

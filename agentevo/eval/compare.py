@@ -293,24 +293,27 @@ def series(label: str) -> str:
     return _SERIES.sub("", label)
 
 
-def paired_rows(groups: list[Group], base: Group, split: str, metric: str, n_boot: int = N_BOOT) -> list[Paired]:
+def paired_rows(groups: list[Group], base: Group, split: str, metric: str, n_boot: int = N_BOOT,
+                base_at: str | None = None) -> list[Paired]:
     """Every other arm vs the baseline: each of the arm's evaluation points against the baseline's point of the
     same label, or its last one where it has no such label (GRPO's update-6 vs BC), then last point vs last point.
+    `base_at` names the baseline's point to use instead of its last (e.g. a control matched to round 2's budget).
 
     A point is not read against the baseline's last one of the same series (update-6 vs update-3): the baseline
-    has not got there (still running, or a shorter run), and the row says so instead of pairing unequal budgets."""
+    has not got there (still running, or a shorter run), and the row says so instead of pairing unequal budgets;
+    a `base_at` point is paired with any label, since it was chosen."""
     rows = []
     for g in groups:
         if g is base:
             continue
-        base_last = list(base.points)[-1] if base.points else None
+        base_last = base_at or (list(base.points)[-1] if base.points else None)
         compared = ([(label, label if label in base.points else base_last) for label in g.points]
                     if base_last is not None else [])
         final = (list(g.points)[-1], base_last) if g.points and base_last is not None else None
         if final and final not in compared:
             compared.append(final)
         for a, b in compared:
-            if a != b and series(a) == series(b):
+            if a != b and b != base_at and series(a) == series(b):
                 if a in base.points:  # the arm is the shorter run: already paired at its own last point
                     continue
                 rows.append(Paired(g.name, a, b, None, f"the baseline has no {a} (its last evaluation is {b}: still "
@@ -478,10 +481,11 @@ def diagnostics_table(groups: list[Group]) -> str:
 
 def compare(run_dirs: list[Path], split: str, out: Path, metric: str = "success", baseline: str | None = None,
             n_boot: int = N_BOOT, baseline_point: str | None = None,
-            noise_floor: list[str] | None = None) -> Comparison:
-    """Write out/compare.md and out/compare.png: per-seed values, mean ± sd, paired differences vs the baseline arm,
-    or with `baseline_point` vs each run's own evaluation at that label; with `noise_floor` (arms that repeat the
-    baseline with nothing that matters changed) each other arm's per-seed differences are read against theirs."""
+            noise_floor: list[str] | None = None, baseline_at: str | None = None) -> Comparison:
+    """Write out/compare.md and out/compare.png: per-seed values, mean ± sd, paired differences vs the baseline arm
+    (at its last evaluation, or at `baseline_at`), or with `baseline_point` vs each run's own evaluation at that
+    label; with `noise_floor` (arms that repeat the baseline with nothing that matters changed) each other arm's
+    per-seed differences are read against theirs."""
     if metric not in METRICS:
         raise ConfigError(f"--metric must be one of {', '.join(METRICS)} (got {metric!r})")
     if not run_dirs:
@@ -495,6 +499,12 @@ def compare(run_dirs: list[Path], split: str, out: Path, metric: str = "success"
         raise ConfigError(f"--baseline {baseline!r} is not one of the arms ({', '.join(names)}); give an arm name "
                           "without its -sN suffix")
     base = groups[names.index(baseline)] if baseline is not None else groups[0]
+    if baseline_at is not None and baseline_point is not None:
+        raise ConfigError("--baseline-at names a point of the baseline arm; it goes with --baseline ARM, not "
+                          "--baseline-point")
+    if baseline_at is not None and baseline_at not in base.points:
+        raise ConfigError(f"--baseline-at {baseline_at!r}: the baseline {base.name} has no evaluation with that label; "
+                          f"give one of {', '.join(base.points) or 'none (it has no evaluation yet)'}")
     if noise_floor and baseline_point is not None:
         raise ConfigError("--noise-floor reads differences from another arm: give it with --baseline ARM (the method "
                           "the noise-floor arms repeat), not --baseline-point")
@@ -517,7 +527,7 @@ def compare(run_dirs: list[Path], split: str, out: Path, metric: str = "success"
         raise ConfigError(f"--baseline-point {baseline_point!r}: no arm has an evaluation with that label; give one of "
                           f"{', '.join(labels)}")
     rows = (within_run_rows(groups, baseline_point, split, metric, n_boot) if baseline_point is not None
-            else paired_rows(groups, base, split, metric, n_boot))
+            else paired_rows(groups, base, split, metric, n_boot, baseline_at))
     p_table = paired_table(rows) if rows else ""
     finals = {p.arm: p for p in rows}  # an arm's last row is its last evaluation vs the baseline's last
     finals |= {p.arm: p for p in rows if p.result is not None}  # or the last one that could be paired
@@ -536,7 +546,8 @@ def compare(run_dirs: list[Path], split: str, out: Path, metric: str = "success"
     if rows:
         against = (f"each run's own `{baseline_point}` evaluation (arm at a later point − the same run at "
                    f"`{baseline_point}`, points): each run paired with itself" if baseline_point is not None else
-                   f"`{base.name}` (arm − baseline, points): seeds paired by their -sN index")
+                   f"`{base.name}`{f' at `{baseline_at}`' if baseline_at else ''} (arm − baseline, points): seeds "
+                   "paired by their -sN index")
         text += (f"Paired differences vs {against}, "
                  f"tasks by id; 95% interval (tasks) from a bootstrap over tasks ({n_boot} resamples, RNG seed "
                  f"{BOOT_SEED}, seed pairs kept: these trained policies on more tasks); 95% interval (seeds and "
@@ -556,5 +567,6 @@ def compare(run_dirs: list[Path], split: str, out: Path, metric: str = "success"
     text += "![comparison](compare.png)\n"
     path = out / "compare.md"
     write_text_atomic(path, text)
-    return Comparison(path, f"own {baseline_point}" if baseline_point is not None else base.name, table, p_table,
+    against_name = base.name + (f" at {baseline_at}" if baseline_at else "")
+    return Comparison(path, f"own {baseline_point}" if baseline_point is not None else against_name, table, p_table,
                       sentences, warnings, text, noise_table, noise_sentences)
