@@ -371,11 +371,12 @@ def progress_note(k: int, left: list[str], took: dict[str, list[float]],
                   earlier: dict[str, list[float]] | None = None) -> str:
     """'run 3 of 9; 2 done in 31 min 10 s, about 1 h 49 min left' for the k-th run of this call, `left` the arms of
     the runs from this one on. Each is estimated at its arm's mean time in this call, else at its arm's mean over
-    `earlier` (the study's runs made before, on this CPU model), else at the mean of every run timed; no estimate
-    before one is timed."""
+    `earlier` (the study's runs made before, on this CPU model), else at the mean of every run timed, in this call
+    and before it (a quick first arm alone would price a long new one at its few minutes); no estimate before one
+    is timed."""
     earlier = earlier or {}
     done = [x for xs in took.values() for x in xs]
-    timed = done or [x for xs in earlier.values() for x in xs]
+    timed = done + [x for xs in earlier.values() for x in xs]
     note = f"run {k} of {k - 1 + len(left)}"
     if done:
         note += f"; {len(done)} done in {duration(sum(done))}"

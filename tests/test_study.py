@@ -173,6 +173,8 @@ def test_the_first_estimate_comes_from_the_same_arms_earlier_runs_on_this_cpu(tm
     lines.clear()
     run_study(study, echo=lines.append, runner=runner, seeds=[1], clock=lambda: 0.0)
     assert "st-base-s1: starting (run 1 of 2; about 3 min 20 s left (from 1 earlier run on this CPU))" in lines
+    # lr has no time of its own: it is priced at the mean of every run timed, base-s1 here (0 s) and base-s0 (100 s)
+    assert "st-lr-s1: starting (run 2 of 2; 1 done in 0 s, about 50 s left)" in lines
 
 
 def test_archives_stand_in_for_lost_run_folders(tmp_path: Path) -> None:
