@@ -176,15 +176,16 @@ def import_warm_start(run: Run, source: Path, collection: str = "expert",
             if a.get(key) != b.get(key):
                 raise ConfigError(f"bc.warm_start_from: {section}.{key} is {a.get(key)!r} here but "
                                   f"{b.get(key)!r} in {str(source)!r}; use the same setting or another BC run")
-    redo = "eval/bc" if start != "bc" else None  # the source evaluated its BC, not the checkpoint taken instead
+    # evaluations redone here: all of them on resized task lists; eval/bc when another checkpoint is taken as BC
+    # (the source evaluated its BC, not that checkpoint)
+    redone = {p for p in phases[1:] if p.startswith("eval/") and (resized or (p == "eval/bc" and start != "bc"))}
     src_store = ExperienceStore(source / "experience.db")
     try:
         experts = src_store.load(collection=collection)
         train_ids = {t.task_id for t in run.tasks("train")}
         experts = [t for t in experts if t.task.task_id in train_ids]
         run.store.add_missing(collection, enumerate(experts))
-        if not resized:
-            _copy_evaluations(src_store, run.store, [p for p in phases[1:] if p.startswith("eval/") and p != redo])
+        _copy_evaluations(src_store, run.store, [p for p in phases[1:] if p.startswith("eval/") and p not in redone])
     finally:
         src_store.close()
     for name in checkpoints:
@@ -197,7 +198,7 @@ def import_warm_start(run: Run, source: Path, collection: str = "expert",
         if phase == "bc" and start != "bc":
             took = state[start] if isinstance(state.get(start), dict) else {}  # its phase result, when it has one
             run.state.setdefault(phase, {**took, "checkpoint": start, "from": str(source)})
-        elif not ((resized and phase.startswith("eval/")) or phase == redo):
+        elif phase not in redone:
             run.state.setdefault(phase, state[phase])
     out: dict[str, Any] = {"source": str(source), "expert": len(experts)}
     if start != "bc":
