@@ -308,7 +308,7 @@ def test_the_shipped_stall_probe_study_reads() -> None:
 
 def test_the_shipped_qevolve_study_reads() -> None:
     study = load_study("configs/study/qevolve_cookingworld.study.yaml")  # every arm's config built and validated
-    assert len(study.arms) == 25 and len(plan(study)) == 75
+    assert len(study.arms) == 28 and len(plan(study)) == 84
     order = plan(study, seeds=[2], arms=["qe-order1"])[2]  # the noise-floor arm: the same data and critic as qe
     assert {"qevolve.policy_seed=1000", "qevolve.round1_critic_from=runs/qe200/qe200-qe-s2"} <= set(order.argv)
     assert study.compare[1].noise_floor == ["qe-order1", "qe-order2"] and "qe-order2" in study.compare[1].arms
