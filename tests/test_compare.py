@@ -399,6 +399,13 @@ def test_premise_diagnostics_of_each_run_sit_beside_the_differences(tmp_path: Pa
            "reference (k3, per token) |" in text
     assert "| g | s1 | grpo, update 1 | pass | - |" in text
     assert text.index("Premise diagnostics") > text.index("Paired differences")
+    # the BC start's table, from the held-out evaluation of the BC checkpoint in the metrics
+    with (b / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"time": 0.0, "phase": "eval/bc/test", "step": 0, "invalid_rate": 0.4,
+                            "format_error_rate": 0.0}) + "\n")
+    text = compare([a, b], "test", tmp_path / "out2", baseline_point="bc").text
+    assert ("| g | s1 | BC start (every method's first policy), held-out test | fail | fail: held-out invalid actions "
+            "(BC start; the expert's are 0) |") in text
     # runs without diagnostics: no section
     plain = _run(tmp_path, "p-s0", {"bc": 0.5}, outcomes={"bc": [1, 0]})
     assert "Premise diagnostics" not in compare([plain], "test", tmp_path / "o2").text

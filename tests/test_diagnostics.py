@@ -210,6 +210,32 @@ def test_render_section_tables_means_and_merging() -> None:
     assert dg.render_section([{"phase": "bc/train", "step": 1, "loss": 1.0}]) == []
 
 
+def test_bc_start_table_reads_the_held_out_evaluation_of_the_bc_checkpoint() -> None:
+    """Every run that starts from BC shows how far imitation got: invalid actions and format errors of eval/bc."""
+    def rec(split: str, invalid: float, fmt: float = 0.0) -> dict:
+        return {"phase": f"eval/bc/{split}", "step": 0, "time": 0, "success_rate": 0.14, "invalid_rate": invalid,
+                "format_error_rate": fmt}
+
+    # the demo's 12-epoch BC at seed 0 on the EPYC, 50 games: 53.3% invalid actions -> fail; 30 epochs: 18.2% -> warn
+    tables = dg.diagnostic_tables([rec("seen", 0.01), rec("test", 0.9), rec("test", 0.533),
+                                   {"phase": "eval/round-1/test", "step": 0, "invalid_rate": 0.0}])
+    assert [t for t, _ in tables] == ["BC start (every method's first policy), held-out test"]
+    rows = {d.name: d for d in tables[0][1]}
+    invalid = rows["held-out invalid actions (BC start; the expert's are 0)"]
+    assert (invalid.value, invalid.verdict) == ("0.533", "fail") and "raise optim.epochs" in invalid.fix
+    assert rows["held-out replies without a parseable action (BC start)"].verdict == "pass"
+    assert dg.diagnostic_tables([rec("test", 0.182)])[0][1][1].verdict == "warn"
+    assert dg.diagnostic_tables([rec("test", 0.05, fmt=0.2)])[0][1][0].verdict == "fail"
+    assert dg.worst(dg.diagnostic_tables([rec("test", 0.05)])[0][1]) == "pass"
+    # no test split: the first other one; no BC evaluation (a run from scratch): no table
+    assert dg.diagnostic_tables([rec("seen", 0.3)])[0][0].endswith("held-out seen")
+    assert dg.diagnostic_tables([{"phase": "eval/init/test", "step": 0, "invalid_rate": 0.0}]) == []
+    # before the method's own tables
+    lines = dg.render_section([rec("test", 0.3), {"phase": "diag/qevolve", "step": 1, "time": 0, "auc_v1": 0.9}])
+    text = "\n".join(lines)
+    assert text.index("### BC start") < text.index("### qevolve, round 1: pass")
+
+
 # -- the critic budget -----------------------------------------------------------------------------------------------
 
 _WORDS = "knife fridge kitchen room part cookbook recipe meal table counter".split()

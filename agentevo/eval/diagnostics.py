@@ -2,13 +2,14 @@
 
 Each method silently relies on something that can fail: Q-Evolve on a critic that has actually fitted, GRPO/DAPO
 on groups whose rewards differ, RSD on a teacher that does better with the privileged context, Self-Guide on guides
-that steer the action, ETO on DPO raising the chosen trajectories. Recipes log the raw numbers under the metrics
+that steer the action, ETO on DPO raising the chosen trajectories; and all of them on a BC start that has learned
+the task's actions (read from its held-out evaluation, eval/bc). Recipes log the raw numbers under the metrics
 phase `diag/<method>` (fixed names below; step = round / update / iteration, 0 = before training); the report
 turns each record into a table row: diagnostic, value, verdict (pass / warn / fail / n/a) and what to change.
 
 The pure functions here compute the numbers from plain arrays; the thresholds are ours [O], chosen so that the
 failures seen in the studies (17 critic steps at Polyak 0.005; V spread 0.03; base+ctx below base; guide/action
-agreement of 2/3) land on warn or fail.
+agreement of 2/3; the demo's 12-epoch BC with half its held-out actions invalid) land on warn or fail.
 """
 
 from __future__ import annotations
@@ -484,6 +485,29 @@ def bon_premise(v: dict[str, Any]) -> list[Diagnostic]:
     return rows
 
 
+BC_EPOCHS_FIX = ("BC has not learned which actions are valid here: raise optim.epochs of the BC run and read any "
+                 "method's gain over this start with care, since more BC may give it too (CookingWorld, seed 0, "
+                 "200 games: 12 -> 30 epochs took invalid actions 52 -> 18% and success 17.5 -> 41.5%)")
+
+
+def bc_start(v: dict[str, Any]) -> list[Diagnostic]:
+    """The BC start every method builds on: has imitation taught the action format and which actions are valid?
+
+    Read from the held-out evaluation of the BC checkpoint (eval/bc), so every run that starts from BC shows it.
+    An undertrained start confounds a method's gain with more imitation (docs/studies/qevolve_cookingworld_powered).
+    """
+    rows = []
+    if v.get("format_error_rate") is not None:
+        rows.append(_row("held-out replies without a parseable action (BC start)", v["format_error_rate"],
+                         grade(v["format_error_rate"], 0.02, 0.1, higher_is_better=False),
+                         "BC has not learned the reply format: raise optim.epochs or check agent.thoughts and the "
+                         "demos' reply text"))
+    if v.get("invalid_rate") is not None:
+        rows.append(_row("held-out invalid actions (BC start; the expert's are 0)", v["invalid_rate"],
+                         grade(v["invalid_rate"], 0.1, 0.25, higher_is_better=False), BC_EPOCHS_FIX))
+    return rows
+
+
 EVALUATORS: dict[str, Callable[[dict[str, Any]], list[Diagnostic]]] = {
     "qevolve": critic_fit, "grpo": policy_update, "rsd": rsd_premise, "selfguide": selfguide_premise,
     "eto": eto_dpo, "bon_sft": bon_premise,
@@ -517,10 +541,22 @@ def _mean_record(records: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def bc_start_record(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The held-out evaluation of the BC checkpoint (phase eval/bc/<split>; test when there, the last record of a
+    split wins), with its split under 'split'; None when the run has none."""
+    by_split = {str(r["phase"]).split("/", 2)[2]: r for r in records
+                if str(r.get("phase", "")).startswith("eval/bc/") and str(r["phase"]).count("/") == 2}
+    if not by_split:
+        return None
+    split = "test" if "test" in by_split else sorted(by_split)[0]
+    return {**_numeric(by_split[split]), "split": split}
+
+
 def diagnostic_tables(records: list[dict[str, Any]], max_rows: int = 4) -> list[tuple[str, list[Diagnostic]]]:
     """(title, rows) per diagnostics table of a run, from its metrics records (phase diag/<method>).
 
-    Records at step 0 (before training) are shown as they are; with more than max_rows training records (one per
+    The BC start's table comes first (from its held-out evaluation, eval/bc/<split>). Records at step 0 (before
+    training) are shown as they are; with more than max_rows training records (one per
     GRPO update, say) they are averaged into one table and the last is shown beside it, else one table each.
     """
     by_method: dict[str, list[dict[str, Any]]] = {}
@@ -528,6 +564,9 @@ def diagnostic_tables(records: list[dict[str, Any]], max_rows: int = 4) -> list[
         if str(rec.get("phase", "")).startswith(PHASE_PREFIX):
             by_method.setdefault(rec["phase"][len(PHASE_PREFIX):], []).append(rec)
     tables: list[tuple[str, list[Diagnostic]]] = []
+    start = bc_start_record(records)
+    if start is not None:
+        tables.append((f"BC start (every method's first policy), held-out {start['split']}", bc_start(start)))
     for method, recs in by_method.items():
         latest: dict[int, dict[str, Any]] = {}
         for rec in recs:  # a resumed run may log a step twice: the last record wins
