@@ -263,8 +263,16 @@ class BCConfig:
         "which checkpoint of the warm_start_from run becomes this run's BC start (its checkpoints/NAME; e.g. "
         "bon-sft to start from a run that continued BC on the demos); any other than bc is evaluated again here",
         "bc")
+    eval_epochs: list[int] = _help(
+        "BC's learning curve in the same run: save BC at the end of these epochs (checkpoints/bc-epoch-E) and "
+        "evaluate them and the final BC greedily on the dev split (eval points bc-epoch-E), so the report shows "
+        "whether more epochs would still help; a snapshot is this run part way through its learning-rate "
+        "schedule, not a shorter run (e.g. [4, 8] with optim.epochs 12; [] = off)", factory=list)
 
     def validate(self) -> None:
+        if any(e < 1 for e in self.eval_epochs) or self.eval_epochs != sorted(set(self.eval_epochs)):
+            raise ConfigError(f"bc.eval_epochs {self.eval_epochs} must be increasing epoch numbers from 1, each "
+                              "once, e.g. [4, 8]")
         if self.warm_start_checkpoint != "bc" and not self.warm_start_from:
             raise ConfigError(f"bc.warm_start_checkpoint is {self.warm_start_checkpoint!r} but bc.warm_start_from "
                               "is not set; name the run it is a checkpoint of (bc.warm_start_from=runs/NAME)")
@@ -324,9 +332,25 @@ class RunConfig:
                 value.validate()
         if self.optim.padding_free:
             check_padding_free(self)
+        if self.bc.eval_epochs:
+            check_bc_curve(self)
         if self.method == "selfguide" and self.selfguide.demo_verdicts == "self" and self.model.path is None:
             raise ConfigError("selfguide.demo_verdicts=self needs a pretrained model (set model.path): a tiny model "
                               "built from scratch cannot judge a step before training; use demo_verdicts=oracle")
+
+
+def check_bc_curve(cfg: RunConfig) -> None:
+    """bc.eval_epochs: snapshots inside BC's own schedule, of a whole model."""
+    bc = cfg.bc
+    if bc.eval_epochs[-1] >= cfg.optim.epochs:
+        raise ConfigError(f"bc.eval_epochs {bc.eval_epochs} must stay below optim.epochs ({cfg.optim.epochs:g}): the "
+                          "final BC is evaluated on the dev split anyway; drop the last epoch or raise optim.epochs")
+    if bc.warm_start_from:
+        raise ConfigError("bc.eval_epochs draws BC's learning curve while BC trains, but bc.warm_start_from starts "
+                          "from a BC trained elsewhere; set it on the BC run, or drop bc.eval_epochs")
+    if cfg.model.lora.enabled:
+        raise ConfigError("bc.eval_epochs saves whole-model snapshots; with model.lora.enabled set it to [] (or "
+                          "train BC without LoRA)")
 
 
 def check_padding_free(cfg: RunConfig) -> None:

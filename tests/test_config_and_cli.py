@@ -109,3 +109,18 @@ def test_a_single_string_for_a_list_of_strings_is_a_one_item_list() -> None:
     assert cfg.tracking.report_to == ["none"]
     with pytest.raises(ConfigError, match="optim.betas must be a list of 2 values"):
         load_config(None, ["optim.betas=0.9"])
+
+
+def test_bc_eval_epochs_are_checked_before_any_work() -> None:
+    """BC's learning curve: increasing epochs inside the schedule, on a BC trained in this run, without LoRA."""
+    assert load_config(None, ["optim.epochs=12", "bc.eval_epochs=[4,8]"]).bc.eval_epochs == [4, 8]
+    with pytest.raises(ConfigError, match=r"bc.eval_epochs \[8, 4\] must be increasing epoch numbers from 1"):
+        load_config(None, ["bc.eval_epochs=[8,4]"])
+    with pytest.raises(ConfigError, match=r"must be increasing epoch numbers from 1, each once"):
+        load_config(None, ["bc.eval_epochs=[0,4]"])
+    with pytest.raises(ConfigError, match=r"bc.eval_epochs \[4, 12\] must stay below optim.epochs \(12\)"):
+        load_config(None, ["optim.epochs=12", "bc.eval_epochs=[4,12]"])
+    with pytest.raises(ConfigError, match="but bc.warm_start_from starts from a BC trained elsewhere"):
+        load_config(None, ["optim.epochs=12", "bc.eval_epochs=[4]", "bc.warm_start_from=runs/bc"])
+    with pytest.raises(ConfigError, match="with model.lora.enabled set it to"):
+        load_config(None, ["optim.epochs=12", "bc.eval_epochs=[4]", "model.lora.enabled=true"])

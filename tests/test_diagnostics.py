@@ -230,6 +230,16 @@ def test_bc_start_table_reads_the_held_out_evaluation_of_the_bc_checkpoint() -> 
     # no test split: the first other one; no BC evaluation (a run from scratch): no table
     assert dg.diagnostic_tables([rec("seen", 0.3)])[0][0].endswith("held-out seen")
     assert dg.diagnostic_tables([{"phase": "eval/init/test", "step": 0, "invalid_rate": 0.0}]) == []
+    # BC's dev learning curve (bc.eval_epochs): +14 points over the last 10 epochs is still rising (warn)
+    curve = [{"phase": f"eval/bc-epoch-{e}/dev", "step": 0, "success_rate": x} for e, x in ((30, 0.42), (10, 0.2),
+                                                                                           (20, 0.28))]
+    rows = dg.diagnostic_tables([rec("test", 0.05), *curve])[0][1]
+    assert (rows[-1].name, rows[-1].value, rows[-1].verdict) == (
+        "dev success still rising at the end of BC (epoch 20 -> 30)", "10: 20.0%, 20: 28.0%, 30: 42.0% (+14.0 pt)", "warn")
+    assert "raise optim.epochs until the curve levels off" in rows[-1].fix
+    level = [{"phase": "eval/bc-epoch-12.5/dev", "step": 0, "success_rate": 0.4}, {**curve[0], "success_rate": 0.44}]
+    assert dg.diagnostic_tables([rec("test", 0.05), *level])[0][1][-1].verdict == "pass"  # +4 points: level
+    assert dg.diagnostic_tables([rec("test", 0.05), *level])[0][1][-1].name.endswith("(epoch 12.5 -> 30)")
     # before the method's own tables
     lines = dg.render_section([rec("test", 0.3), {"phase": "diag/qevolve", "step": 1, "time": 0, "auc_v1": 0.9}])
     text = "\n".join(lines)

@@ -215,9 +215,21 @@ def test_bc_learns_to_copy_from_the_observation(tmp_path) -> None:  # noqa: ANN0
     at the 25% of always saying one colour within 160 steps (measured): copying needs the second layer."""
     res = run_probe("bc", "probe-copy", ["env.n_train=32", "optim.epochs=30", "optim.lr=3e-3",
                                          "model.tiny.num_layers=2", "model.tiny.hidden_size=64",
-                                         "model.tiny.intermediate_size=128"], tmp_path)
+                                         "model.tiny.intermediate_size=128", "env.n_dev=8", "bc.eval_epochs=[3,15]"],
+                    tmp_path)
     assert success(res, "eval/init") == 0.0
     assert success(res, "eval/bc") >= 0.875  # measured 1.0: all four colours copied
+    # BC's learning curve on the dev split (bc.eval_epochs): snapshots at epochs 3 and 15, the final BC at 30
+    curve = {e: res[f"eval/bc-epoch-{e}"]["dev"]["success_rate"] for e in (3, 15, 30)}
+    assert curve[3] <= 0.25 and curve[15] >= 0.75 and curve[30] >= 0.875  # measured 0 / 1 / 1
+    assert (tmp_path / "r" / "checkpoints" / "bc-epoch-3" / "model.safetensors").exists()
+    assert list(res["eval/bc-epoch-3"]) == ["dev"] and res["eval/bc-epoch-3"]["dev"]["n"] == 8
+    from agentevo.eval.diagnostics import diagnostic_tables
+    from agentevo.train.tracking import MetricsLogger
+
+    (title, rows), = diagnostic_tables(MetricsLogger(tmp_path / "r", enabled=False).records())
+    assert rows[-1].name == "dev success still rising at the end of BC (epoch 15 -> 30)"
+    assert rows[-1].value.startswith(f"3: {100 * curve[3]:.1f}%, 15: ") and rows[-1].verdict == "pass"
 
 
 # -- GRPO / DAPO: the constant probe ---------------------------------------------------------------------------------

@@ -78,11 +78,21 @@ def expert_samples(policy: TransformersPolicy, trajs: list[Trajectory], window: 
     return samples
 
 
-def train_bc(run: Run, policy: TransformersPolicy, trajs: list[Trajectory], name: str) -> dict[str, float]:
-    """BC on the given trajectories; saves checkpoints/<name> and returns the final training stats."""
+def train_bc(run: Run, policy: TransformersPolicy, trajs: list[Trajectory], name: str,
+             snapshot_epochs: Sequence[int] = ()) -> dict[str, float]:
+    """BC on the given trajectories; saves checkpoints/<name> (and checkpoints/<name>-epoch-E at the end of each of
+    snapshot_epochs) and returns the final training stats."""
     cfg = run.cfg
     samples = expert_samples(policy, trajs, cfg.agent.history_window, cfg.optim.max_length)
-    return {**finetune(run, policy, samples, nll_loss, name), "samples": len(samples)}
+    snapshots = {e: run.checkpoint_dir(f"{name}-epoch-{e}") for e in snapshot_epochs}
+    return {**finetune(run, policy, samples, nll_loss, name, snapshots=snapshots), "samples": len(samples)}
+
+
+def bc_curve_labels(cfg: Any) -> list[tuple[str, str]]:
+    """(eval label, checkpoint) of each point of BC's learning curve: the bc.eval_epochs snapshots, then the final
+    BC as the point at optim.epochs."""
+    points = [(f"bc-epoch-{e}", f"bc-epoch-{e}") for e in cfg.bc.eval_epochs]
+    return points + [(f"bc-epoch-{cfg.optim.epochs:g}", "bc")] if points else []
 
 
 def run(run: Run) -> dict[str, Any]:
@@ -113,10 +123,14 @@ def warm_start(run: Run) -> dict[str, Any]:
 
     def do_bc() -> dict[str, Any]:
         policy = run.load_policy("init")
-        return train_bc(run, policy, trajs, "bc")
+        return train_bc(run, policy, trajs, "bc", cfg.bc.eval_epochs)
 
     results["bc"] = run.phase("bc", do_bc, all_ranks=True)
     results["eval/bc"] = run.phase("eval/bc", lambda: run.evaluate(run.rollout_policy("bc"), "bc"))
+    # BC's learning curve (bc.eval_epochs): each snapshot and the final BC on the dev split, one phase each
+    for label, checkpoint in bc_curve_labels(cfg):
+        results[f"eval/{label}"] = run.phase(
+            f"eval/{label}", lambda c=checkpoint, lab=label: run.evaluate(run.rollout_policy(c, lab), lab, ["dev"]))
     return results
 
 

@@ -490,6 +490,9 @@ BC_EPOCHS_FIX = ("BC has not learned which actions are valid here: raise optim.e
                  "200 games: 12 -> 30 epochs took invalid actions 52 -> 18% and success 17.5 -> 41.5%)")
 
 
+BC_CURVE_RISE = 0.05  # [O] dev success gained over the curve's last interval beyond which it is "still rising" (warn)
+
+
 def bc_start(v: dict[str, Any]) -> list[Diagnostic]:
     """The BC start every method builds on: has imitation taught the action format and which actions are valid?
 
@@ -505,6 +508,14 @@ def bc_start(v: dict[str, Any]) -> list[Diagnostic]:
     if v.get("invalid_rate") is not None:
         rows.append(_row("held-out invalid actions (BC start; the expert's are 0)", v["invalid_rate"],
                          grade(v["invalid_rate"], 0.1, 0.25, higher_is_better=False), BC_EPOCHS_FIX))
+    curve = v.get("curve") or []
+    if len(curve) >= 2:
+        (e0, s0), (e1, s1) = curve[-2], curve[-1]
+        rise = s1 - s0
+        rows.append(_row(f"dev success still rising at the end of BC (epoch {e0:g} -> {e1:g})", rise,
+                         grade(rise, BC_CURVE_RISE, 1.0, higher_is_better=False),
+                         f"the last {e1 - e0:g} epochs still gained: raise optim.epochs until the curve levels off",
+                         ", ".join(f"{e:g}: {100 * x:.1f}%" for e, x in curve) + f" ({100 * rise:+.1f} pt)"))
     return rows
 
 
@@ -543,13 +554,19 @@ def _mean_record(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 def bc_start_record(records: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The held-out evaluation of the BC checkpoint (phase eval/bc/<split>; test when there, the last record of a
-    split wins), with its split under 'split'; None when the run has none."""
+    split wins), with its split under 'split' and BC's dev learning curve [(epoch, success), ...] (bc.eval_epochs)
+    under 'curve'; None when the run has no BC evaluation."""
     by_split = {str(r["phase"]).split("/", 2)[2]: r for r in records
                 if str(r.get("phase", "")).startswith("eval/bc/") and str(r["phase"]).count("/") == 2}
     if not by_split:
         return None
     split = "test" if "test" in by_split else sorted(by_split)[0]
-    return {**_numeric(by_split[split]), "split": split}
+    curve = {float(m.group(1)): r["success_rate"] for r in records
+             if (m := _CURVE_RE.fullmatch(str(r.get("phase", "")))) and r.get("success_rate") is not None}
+    return {**_numeric(by_split[split]), "split": split, "curve": sorted(curve.items())}
+
+
+_CURVE_RE = re.compile(r"eval/bc-epoch-(\d+(?:\.\d+)?)/dev")  # BC's learning curve (bc.eval_epochs)
 
 
 def diagnostic_tables(records: list[dict[str, Any]], max_rows: int = 4) -> list[tuple[str, list[Diagnostic]]]:

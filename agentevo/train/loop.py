@@ -10,7 +10,7 @@ import pickle
 import random
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,12 @@ def plan_micro_batches(n_samples: int, cfg: OptimConfig, seed: int) -> list[list
         rng.shuffle(epoch)
         order.extend(epoch)
     return [order[i * cfg.micro_batch_size : (i + 1) * cfg.micro_batch_size] for i in range(n_micro)]
+
+
+def epoch_end_step(epoch: int, n_samples: int, batch_size: int) -> int:
+    """The optimiser step after which `epoch` epochs of samples have been seen (steps take batch_size samples from
+    the plan's concatenated epochs, so a step may straddle two epochs: it counts for the later one)."""
+    return math.ceil(epoch * n_samples / batch_size)
 
 
 def rank_micro_batches(n_micro: int, accum: int, world: int, rank: int, start_step: int = 0) -> list[int]:
@@ -203,6 +209,7 @@ def train(
     gradient_checkpointing: bool = False,
     mixed_precision: str | None = None,
     save_to: str | Path | None = None,
+    snapshots: Mapping[int, str | Path] | None = None,
 ) -> dict[str, float]:
     """Optimise loss_fn over the samples for cfg.epochs; resumes from work_dir/last if a run was interrupted.
 
@@ -216,7 +223,8 @@ def train(
     hardware, master weights and the backward's accumulation stay in their dtype); `mixed_precision`
     ("no", "bf16", "fp16"; None = accelerate's config / environment) is passed to the Accelerator; `save_to` writes
     the trained model as a save_pretrained folder gathered from any layout (needed under FSDP / ZeRO-3, where the
-    caller's model object holds only this rank's shard).
+    caller's model object holds only this rank's shard). `snapshots` ({epoch: folder}) writes the model the same way
+    at the end of each of those epochs (epoch_end_step), before that step's resume checkpoint.
     Returns the mean of each logged statistic over the last 10% of optimiser steps.
     """
     from accelerate import Accelerator, PartialState
@@ -240,6 +248,9 @@ def train(
     plan = plan_micro_batches(len(samples), cfg, seed)
     total_steps = len(plan) // accum
     warmup = int(cfg.warmup_ratio * total_steps)
+    snapshot_at = {epoch_end_step(e, len(samples), cfg.batch_size): Path(p) for e, p in (snapshots or {}).items()}
+    if any(s > total_steps for s in snapshot_at):
+        raise ValueError(f"{phase}: snapshot epochs {sorted(snapshots or {})} past the run's {cfg.epochs} epochs")
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _schedule(s, total_steps, warmup, schedule))
@@ -295,6 +306,8 @@ def train(
         history.append(record)
         if logger is not None and accelerator.is_main_process:
             logger.log(phase, step, record)
+        if step in snapshot_at:  # every rank: gathering a sharded model is collective
+            _save_final(accelerator, model, tokenizer, snapshot_at[step])
         if on_step is not None:
             on_step(step, total_steps, record)
         if resumable and cfg.save_every and step % cfg.save_every == 0 and step < total_steps:
