@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from agentevo.algorithms import losses
-from agentevo.config import with_defaults
+from agentevo.config import RunConfig, with_defaults
 from agentevo.data.store import ExperienceStore
 from agentevo.data.tensors import StepSample, reply_logprobs, trajectory_samples
 from agentevo.data.types import Trajectory
@@ -88,7 +88,7 @@ def train_bc(run: Run, policy: TransformersPolicy, trajs: list[Trajectory], name
     return {**finetune(run, policy, samples, nll_loss, name, snapshots=snapshots), "samples": len(samples)}
 
 
-def bc_curve_labels(cfg: Any) -> list[tuple[str, str]]:
+def bc_curve_labels(cfg: RunConfig) -> list[tuple[str, str]]:
     """(eval label, checkpoint) of each point of BC's learning curve: the bc.eval_epochs snapshots, then the final
     BC as the point at optim.epochs."""
     points = [(f"bc-epoch-{e}", f"bc-epoch-{e}") for e in cfg.bc.eval_epochs]
