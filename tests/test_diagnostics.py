@@ -226,6 +226,8 @@ def test_bc_start_table_reads_the_held_out_evaluation_of_the_bc_checkpoint() -> 
     assert rows["held-out replies without a parseable action (BC start)"].verdict == "pass"
     assert dg.diagnostic_tables([rec("test", 0.182)])[0][1][1].verdict == "warn"
     assert dg.diagnostic_tables([rec("test", 0.05, fmt=0.2)])[0][1][0].verdict == "fail"
+    untrained = dg.diagnostic_tables([rec("test", 0.0, fmt=1.0)])[0][1]  # no action parsed: nothing to call valid
+    assert [(d.verdict, d.fix) for d in untrained][1] == ("n/a", "no reply held an action (row above)")
     assert dg.worst(dg.diagnostic_tables([rec("test", 0.05)])[0][1]) == "pass"
     # no test split: the first other one; no BC evaluation (a run from scratch): no table
     assert dg.diagnostic_tables([rec("seen", 0.3)])[0][0].endswith("held-out seen")

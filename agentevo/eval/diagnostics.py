@@ -506,8 +506,11 @@ def bc_start(v: dict[str, Any]) -> list[Diagnostic]:
                          "BC has not learned the reply format: raise optim.epochs or check agent.thoughts and the "
                          "demos' reply text"))
     if v.get("invalid_rate") is not None:
+        # no parseable action at all: no action was judged, so 0 invalid says nothing
+        mute = (v.get("format_error_rate") or 0.0) >= 1.0
         rows.append(_row("held-out invalid actions (BC start; the expert's are 0)", v["invalid_rate"],
-                         grade(v["invalid_rate"], 0.1, 0.25, higher_is_better=False), BC_EPOCHS_FIX))
+                         NA if mute else grade(v["invalid_rate"], 0.1, 0.25, higher_is_better=False),
+                         "no reply held an action (row above)" if mute else BC_EPOCHS_FIX))
     curve = v.get("curve") or []
     if len(curve) >= 2:
         (e0, s0), (e1, s1) = curve[-2], curve[-1]
