@@ -267,12 +267,12 @@ class BCConfig:
         "BC's learning curve in the same run: save BC at the end of these epochs (checkpoints/bc-epoch-E) and "
         "evaluate them and the final BC greedily on the dev split (eval points bc-epoch-E), so the report shows "
         "whether more epochs would still help; a snapshot is this run part way through its learning-rate "
-        "schedule, not a shorter run (e.g. [4, 8] with optim.epochs 12; [] = off)", factory=list)
+        "schedule, not a shorter run (e.g. [4, 8] with optim.epochs 12; [] = off)", factory=list, ge=1)
 
     def validate(self) -> None:
-        if any(e < 1 for e in self.eval_epochs) or self.eval_epochs != sorted(set(self.eval_epochs)):
-            raise ConfigError(f"bc.eval_epochs {self.eval_epochs} must be increasing epoch numbers from 1, each "
-                              "once, e.g. [4, 8]")
+        if self.eval_epochs != sorted(set(self.eval_epochs)):  # each >= 1: its range, checked before
+            raise ConfigError(f"bc.eval_epochs {self.eval_epochs} must be increasing epoch numbers, each once, "
+                              "e.g. [4, 8]")
         if self.warm_start_checkpoint != "bc" and not self.warm_start_from:
             raise ConfigError(f"bc.warm_start_checkpoint is {self.warm_start_checkpoint!r} but bc.warm_start_from "
                               "is not set; name the run it is a checkpoint of (bc.warm_start_from=runs/NAME)")

@@ -114,9 +114,9 @@ def test_a_single_string_for_a_list_of_strings_is_a_one_item_list() -> None:
 def test_bc_eval_epochs_are_checked_before_any_work() -> None:
     """BC's learning curve: increasing epochs inside the schedule, on a BC trained in this run, without LoRA."""
     assert load_config(None, ["optim.epochs=12", "bc.eval_epochs=[4,8]"]).bc.eval_epochs == [4, 8]
-    with pytest.raises(ConfigError, match=r"bc.eval_epochs \[8, 4\] must be increasing epoch numbers from 1"):
+    with pytest.raises(ConfigError, match=r"bc.eval_epochs \[8, 4\] must be increasing epoch numbers, each once"):
         load_config(None, ["bc.eval_epochs=[8,4]"])
-    with pytest.raises(ConfigError, match=r"must be increasing epoch numbers from 1, each once"):
+    with pytest.raises(ConfigError, match=r"bc.eval_epochs\[0\] must be >= 1 \(got 0\)"):
         load_config(None, ["bc.eval_epochs=[0,4]"])
     with pytest.raises(ConfigError, match=r"bc.eval_epochs \[4, 12\] must stay below optim.epochs \(12\)"):
         load_config(None, ["optim.epochs=12", "bc.eval_epochs=[4,12]"])
