@@ -84,15 +84,20 @@ def train_bc(run: Run, policy: TransformersPolicy, trajs: list[Trajectory], name
     snapshot_epochs) and returns the final training stats."""
     cfg = run.cfg
     samples = expert_samples(policy, trajs, cfg.agent.history_window, cfg.optim.max_length)
-    snapshots = {e: run.checkpoint_dir(f"{name}-epoch-{e}") for e in snapshot_epochs}
+    snapshots = {e: run.checkpoint_dir(epoch_checkpoint(name, e)) for e in snapshot_epochs}
     return {**finetune(run, policy, samples, nll_loss, name, snapshots=snapshots), "samples": len(samples)}
+
+
+def epoch_checkpoint(name: str, epoch: float) -> str:
+    """The name of checkpoint `name` as it was at the end of `epoch` (a snapshot; also its eval label)."""
+    return f"{name}-epoch-{epoch:g}"
 
 
 def bc_curve_labels(cfg: RunConfig) -> list[tuple[str, str]]:
     """(eval label, checkpoint) of each point of BC's learning curve: the bc.eval_epochs snapshots, then the final
     BC as the point at optim.epochs."""
-    points = [(f"bc-epoch-{e}", f"bc-epoch-{e}") for e in cfg.bc.eval_epochs]
-    return points + [(f"bc-epoch-{cfg.optim.epochs:g}", "bc")] if points else []
+    points = [(epoch_checkpoint("bc", e), epoch_checkpoint("bc", e)) for e in cfg.bc.eval_epochs]
+    return points + [(epoch_checkpoint("bc", cfg.optim.epochs), "bc")] if points else []
 
 
 def run(run: Run) -> dict[str, Any]:
